@@ -33,3 +33,37 @@ def contiguous_streams(tokens: torch.Tensor, n_streams: int) -> torch.Tensor:
     if per == 0:
         raise ValueError(f"{tokens.shape[0]} tokens cannot fill {n_streams} streams")
     return tokens[: per * n_streams].view(n_streams, per)
+
+
+def write_repeat_corpus(out_dir, *, block: int = 12, filler: int = 4, n_symbols: int = 16,
+                        split_tokens: dict | None = None, seed: int = 0,
+                        chunk_tokens: int = 1 << 16):
+    """Write a repeat-block corpus as shards + manifest (train/valid/test from different
+    seeds), so that a run needs no download. Returns the manifest."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    from .shards import Manifest, id_dtype, write_manifest, write_token_split
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    sizes = split_tokens or {"train": 400_000, "valid": 40_000, "test": 40_000}
+    dtype = id_dtype(n_symbols)
+    period = 2 * block + filler
+    splits = {}
+    for i, (split, n_tokens) in enumerate(sizes.items()):
+        tokens, _ = repeat_block_stream(-(-n_tokens // period), block=block, filler=filler,
+                                        n_symbols=n_symbols, seed=seed * 1000 + i)
+        ids = tokens[:n_tokens].numpy().astype(dtype)
+        splits[split] = write_token_split(out, split, [ids], dtype, chunk_tokens, 64)
+    vocab = {"kind": "synthetic", "generator": "repeat_blocks", "size": n_symbols,
+             "block": block, "filler": filler}
+    fingerprint = hashlib.sha256(json.dumps(vocab, sort_keys=True).encode()).hexdigest()
+    manifest = Manifest(kind="tokens", source="repeat_blocks", vocab=vocab,
+                        vocab_fingerprint=fingerprint, vocab_size=n_symbols, dtype=str(dtype),
+                        chunk_tokens=chunk_tokens, splits=splits,
+                        extra={"seed": seed, "period": period})
+    write_manifest(out, manifest)
+    manifest.location = str(out)
+    return manifest

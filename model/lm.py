@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .adaptive import AdaptiveEmbedding, AdaptiveSoftmax, tie_embeddings
 from .backbone import Lengths
@@ -96,9 +97,22 @@ class MemoryLM(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, tokens: torch.Tensor, state: MemoryState | None = None,
                 targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
-                return_log_probs: bool = False) -> LMOutput:
+                return_log_probs: bool = False, checkpoint_segment: bool = False) -> LMOutput:
         """tokens [B, L] -> LMOutput. targets [B, L] are the next tokens; loss_mask [B, L]
-        (bool) limits the loss to some positions (e.g. a task's answer)."""
+        (bool) limits the loss to some positions (e.g. a task's answer).
+
+        checkpoint_segment: keep none of this segment's activations for backward, only its
+        inputs (tokens and the incoming memory), and recompute the segment during backward.
+        Across a BPTT window this leaves only the memory passed between segments alive, so
+        peak memory hardly grows with the depth k. Non-reentrant checkpointing: one backward
+        per step (what ZeRO-2/3 require); the RNG state is restored so dropout recomputes
+        identically."""
+        if checkpoint_segment and torch.is_grad_enabled():
+            return checkpoint(self._forward, tokens, state, targets, loss_mask,
+                              return_log_probs, use_reentrant=False)
+        return self._forward(tokens, state, targets, loss_mask, return_log_probs)
+
+    def _forward(self, tokens, state, targets, loss_mask, return_log_probs) -> LMOutput:
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, length], got shape {tuple(tokens.shape)}")
         if state is not None and state.batch_size != tokens.shape[0]:

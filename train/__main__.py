@@ -1,8 +1,9 @@
-"""`python -m train`: the entry point launchers (deepspeed, torchrun, srun) start per rank."""
+"""`python -m train`: what launchers (deepspeed, torchrun, srun) start on every rank; the same
+options as `memtrain train`."""
 
 import sys
 
-from train.smoke import main
+from train.cli import main_train
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main_train(sys.argv[1:]))

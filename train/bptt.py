@@ -1,0 +1,160 @@
+"""Truncated backpropagation through time over the memory, ONE backward per micro-step.
+
+A window of segments is run forward with the memory threaded through and its losses
+summed; the caller makes one backward for the whole window. ZeRO-2/3 and DDP reduce
+gradients from hooks that fire once per backward, so a backward per segment would reduce
+shared weights several times (ENVIRONMENT.md: silently wrong at ZeRO-1/2, a crash at
+ZeRO-3). Only RMT's memory carries gradient between segments; XL and LaMemo states come out
+of the model detached, so for them a window only batches k+1 steps into one update.
+
+Two ways to cut the stream into windows (`bptt.mode`):
+
+    window   segments [t, t+k] form one window; the memory entering it is detached. The first
+             segment's loss reaches no earlier segment, the last one's reaches k back.
+    sliding  every step re-runs the previous k segments from the memory saved when the
+             oldest of them was new, then the new segment; only the new segment's loss counts
+             (unless loss_on_rerun), and every loss reaches k segments back (RMT LM code).
+
+`Window` is what the engine runs; `SlidingHistory` keeps the saved inputs and memories,
+which are part of the resumable training state.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from data_pipeline.streams import SegmentBatch
+from model import MemoryState
+
+
+@dataclass
+class WindowResult:
+    loss: torch.Tensor          # what to backpropagate: mean NLL over counted tokens (+ aux)
+    nll_sum: torch.Tensor       # detached sum of counted NLL (nats), for exact means
+    n_tokens: torch.Tensor      # counted tokens
+    state: MemoryState | None   # memory after the last segment, detached
+    correct: torch.Tensor       # counted tokens predicted right (teacher forcing)
+    state_before_last: MemoryState | None  # memory entering the last segment, detached
+
+
+def run_window(forward, state: MemoryState | None, segments: list[SegmentBatch],
+               device: torch.device, *, counted: list[bool] | None = None,
+               detach_before: set[int] | frozenset = frozenset(),
+               checkpoint_segments: bool = False, score: bool = False) -> WindowResult:
+    """Thread the memory through `segments`; sum the losses of the `counted` ones.
+
+    forward(tokens, state, targets=, loss_mask=, checkpoint_segment=) is the engine (or the
+    bare model). `detach_before` holds segment indices where the memory is cut (episodic
+    samples longer than k+1 segments). The state entering the window is always detached:
+    the previous window's graph has been freed by its backward. `score` also counts
+    teacher-forced correct predictions (task accuracy; needs the full log-probabilities).
+    """
+    counted = counted or [True] * len(segments)
+    state = state.detach() if state is not None else None
+    nll_sum = n_tok = aux = correct = None
+    n_aux = 0
+    entering_last = None
+    for i, seg in enumerate(segments):
+        if i == len(segments) - 1:
+            entering_last = state.detach() if state is not None else None
+        if state is not None:
+            if i in detach_before:
+                state = state.detach()
+            if bool(seg.reset.any()):
+                state = state.reset_rows(seg.reset.to(device))
+        tokens = seg.tokens.to(device, non_blocking=True)
+        mask = seg.loss_mask.to(device) if seg.loss_mask is not None else None
+        out = forward(tokens[:, :-1], state, targets=tokens[:, 1:], loss_mask=mask,
+                      checkpoint_segment=checkpoint_segments, return_log_probs=score)
+        state = out.state
+        if not counted[i]:
+            continue
+        seg_nll = out.nll.sum()
+        nll_sum = seg_nll if nll_sum is None else nll_sum + seg_nll
+        n_tok = out.n_tokens if n_tok is None else n_tok + out.n_tokens
+        if out.aux_loss is not None:
+            # out.loss = mean NLL + w * aux (RMT §3.4); keep the weighted part per segment.
+            part = out.loss - seg_nll / out.n_tokens.clamp(min=1)
+            aux = part if aux is None else aux + part
+            n_aux += 1
+        with torch.no_grad():
+            hits = _hits(out, tokens[:, 1:], mask)
+        correct = hits if correct is None else correct + hits
+    if nll_sum is None:
+        raise ValueError("a BPTT window must count at least one segment's loss")
+    # Token-weighted mean over the window: for equal segments the mean of the segment means,
+    # and for task samples every answer token weighs the same whatever its segment.
+    loss = nll_sum / n_tok.clamp(min=1)
+    if aux is not None:
+        loss = loss + aux / n_aux
+    return WindowResult(loss=loss, nll_sum=nll_sum.detach(), n_tokens=n_tok.detach(),
+                        state=state.detach() if state is not None else None,
+                        correct=correct, state_before_last=entering_last)
+
+
+def _hits(out, targets: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Teacher-forced correct predictions, only where asked for (log_probs are costly for a
+    large vocabulary, so the engine asks only on task data, which has a loss mask)."""
+    if out.log_probs is None or mask is None:
+        return torch.zeros((), device=targets.device)
+    pred = out.log_probs.argmax(-1)
+    return ((pred == targets) & mask).sum()
+
+
+def episode_cuts(n_segments: int, depth: int) -> frozenset:
+    """Where to detach inside one task sample so gradients reach at most `depth` segments
+    back: windows of depth+1 segments aligned to the END of the sample, where the answer is
+    (SPEC §3.3: full BPTT within an example when depth >= n_segments - 1)."""
+    span = depth + 1
+    return frozenset(i for i in range(1, n_segments) if (n_segments - i) % span == 0)
+
+
+@dataclass
+class _Saved:
+    segment: SegmentBatch
+    state_before: MemoryState | None   # detached memory that entered this segment
+
+
+@dataclass
+class SlidingHistory:
+    """The last k segments and the memory that entered each, for `sliding` BPTT."""
+
+    depth: int
+    items: deque = field(default_factory=deque)
+
+    def window(self, new: SegmentBatch, carried: MemoryState | None):
+        """(start state, segments) for the step that brings `new`."""
+        segs = [it.segment for it in self.items] + [new]
+        start = self.items[0].state_before if self.items else carried
+        return start, segs
+
+    def push(self, new: SegmentBatch, state_before: MemoryState | None) -> None:
+        if self.depth == 0:
+            return
+        self.items.append(_Saved(new, state_before.detach() if state_before is not None
+                                 else None))
+        while len(self.items) > self.depth:
+            self.items.popleft()
+
+    def clear(self) -> None:
+        self.items.clear()
+
+    def state_dict(self) -> dict:
+        return {"depth": self.depth, "items": [
+            {"tokens": it.segment.tokens, "reset": it.segment.reset,
+             "loss_mask": it.segment.loss_mask, "epoch": it.segment.epoch,
+             "step": it.segment.step,
+             "state_before": None if it.state_before is None else
+             it.state_before.to("cpu").state_dict()} for it in self.items]}
+
+    def load_state_dict(self, data: dict, device: torch.device) -> None:
+        self.items.clear()
+        for it in data["items"]:
+            seg = SegmentBatch(it["tokens"], it["reset"], it["loss_mask"], it["epoch"],
+                               it["step"])
+            st = it["state_before"]
+            st = None if st is None else MemoryState.from_state_dict(st).to(device)
+            self.items.append(_Saved(seg, st))

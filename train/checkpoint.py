@@ -1,0 +1,184 @@
+"""Checkpoints that carry the memory, the stream position and the RNG, and count only whole.
+
+Layout under `<run_dir>/checkpoints/`:
+
+    step00001200/                     one complete checkpoint
+        mp_rank_00_model_states.pt    DeepSpeed (ZeRO state is partitioned: every rank writes)
+        ..._optim_states.pt
+        memtrain_rank00000.pt         per rank: its rows' memory, sliding-BPTT history,
+        memtrain_rank00001.pt         stream state and RNG states
+        COMPLETE                      JSON: step, world size, ZeRO stage (written last)
+    latest                            name of the newest complete checkpoint
+    .tmp-step00001300/                a save in progress (or killed midway): ignored
+
+A save writes everything into `.tmp-<tag>`, waits for every rank, writes COMPLETE and renames
+the folder; a crash at any point leaves the previous checkpoint as `latest`. DeepSpeed's own
+`client_state` is written by one rank only, which is why each rank writes its own file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .distributed import barrier
+
+MARKER = "COMPLETE"
+LATEST = "latest"
+# DeepSpeed's universal-checkpoint converter refuses checkpoints without this entry
+# (Megatron-DeepSpeed provides it; a plain model must).
+UNIVERSAL_INFO = {"universal_checkpoint_info": {"universal_checkpoint_version": 0.2}}
+
+
+@dataclass
+class CheckpointInfo:
+    path: Path
+    tag: str
+    step: int
+    world_size: int
+    zero_stage: int
+    meta: dict
+
+    def rank_file(self, rank: int) -> Path:
+        return self.path / f"memtrain_rank{rank:05d}.pt"
+
+
+def _tag(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+             "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(engine, root: Path, step: int, rank: int, rank_payload: dict, meta: dict,
+         keep_last: int) -> Path:
+    """Collective: every rank calls it at the same step. Returns the checkpoint folder."""
+    root.mkdir(parents=True, exist_ok=True)
+    tag, tmp_tag = _tag(step), f".tmp-{_tag(step)}"
+    tmp = root / tmp_tag
+    if rank == 0 and tmp.exists():
+        shutil.rmtree(tmp)          # leftovers of a save that was killed midway
+    barrier()
+    engine.save_checkpoint(str(root), tag=tmp_tag, client_state={**UNIVERSAL_INFO},
+                           save_latest=False)
+    payload = {**rank_payload, "rng": rng_state()}
+    tmp_rank = tmp / f".memtrain_rank{rank:05d}.pt.part"
+    torch.save(payload, tmp_rank)
+    os.replace(tmp_rank, tmp / f"memtrain_rank{rank:05d}.pt")
+    _fault_point("after_rank_files", step)
+    barrier()
+    final = root / tag
+    if rank == 0:
+        _atomic_write(tmp / MARKER, json.dumps({**meta, "step": step}, indent=1).encode())
+        if final.exists():         # the same step saved again (e.g. signal at the end)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _atomic_write(root / LATEST, tag.encode())
+        _prune(root, keep_last)
+    barrier()
+    return final
+
+
+def _fault_point(where: str, step: int) -> None:
+    """Test hook: MEMTRAIN_FAULT=<where>:<step> kills this process there (SIGKILL-like), to
+    check that a save killed midway leaves the previous checkpoint usable."""
+    if os.environ.get("MEMTRAIN_FAULT") == f"{where}:{step}":
+        sys.stderr.write(f"MEMTRAIN_FAULT: dying at {where} of step {step}\n")
+        sys.stderr.flush()
+        os._exit(137)
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    done = complete_checkpoints(root)
+    for info in done[:-keep_last]:
+        shutil.rmtree(info.path, ignore_errors=True)
+        for extra in root.glob(f"{info.tag}_universal*"):
+            shutil.rmtree(extra, ignore_errors=True)
+
+
+def _read(path: Path) -> CheckpointInfo | None:
+    marker = path / MARKER
+    if not marker.is_file():
+        return None
+    try:
+        meta = json.loads(marker.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    info = CheckpointInfo(path, path.name, int(meta["step"]), int(meta["world_size"]),
+                          int(meta.get("zero_stage", 0)), meta)
+    if not all(info.rank_file(r).is_file() for r in range(info.world_size)):
+        return None
+    return info
+
+
+def complete_checkpoints(root: Path) -> list[CheckpointInfo]:
+    """Complete checkpoints, oldest first (folders without COMPLETE or rank files skipped)."""
+    if not root.is_dir():
+        return []
+    found = [_read(p) for p in root.iterdir() if p.is_dir() and p.name.startswith("step")
+             and not p.name.endswith("_universal")]
+    return sorted((f for f in found if f is not None), key=lambda f: f.step)
+
+
+def find_latest(root: Path) -> CheckpointInfo | None:
+    """The checkpoint named by `latest` if complete, else the newest complete one."""
+    pointer = root / LATEST
+    if pointer.is_file():
+        info = _read(root / pointer.read_text().strip())
+        if info is not None:
+            return info
+    done = complete_checkpoints(root)
+    return done[-1] if done else None
+
+
+def to_universal(info: CheckpointInfo) -> str:
+    """Convert a ZeRO checkpoint to DeepSpeed's universal format (rank 0, once), so that a
+    different world size can load it with the model and optimizer re-sharded."""
+    out = info.path.parent / f"{info.tag}_universal"
+    if not (out / MARKER).is_file():
+        if out.exists():
+            shutil.rmtree(out)
+        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+               "--input_folder", str(info.path), "--output_folder", str(out),
+               "--num_extract_workers", "1", "--num_merge_workers", "1"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"converting {info.path} to a universal checkpoint failed:\n"
+                               f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+        (out / MARKER).write_text(json.dumps(info.meta))
+    return out.name
+
+
+def load_rank_payload(info: CheckpointInfo, rank: int) -> dict:
+    return torch.load(info.rank_file(rank), map_location="cpu", weights_only=False)

@@ -1,0 +1,98 @@
+"""`memtrain train`, `memtrain eval`, `memtrain export` (and `python -m train` for launchers).
+
+    memtrain train --config quickstart [section.field=value ...] [--no-resume]
+    memtrain eval --run-dir runs/quickstart [eval.mem_len=64 eval.split=test ...]
+    memtrain export --run-dir runs/quickstart --out model.safetensors
+
+A config error exits with code 2 before any compute, naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from model import ConfigError
+
+from .config import load_config
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=prog, description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def main_train(argv: list[str] | None = None) -> int:
+    p = _parser("memtrain train")
+    p.add_argument("--config", help="YAML run config, or a name in configs/ (quickstart, ...)")
+    p.add_argument("overrides", nargs="*", metavar="section.field=value")
+    p.add_argument("--no-resume", action="store_true",
+                   help="refuse to continue a run directory that holds checkpoints")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config "
+                   "and exit")
+    # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
+    p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"memtrain train: invalid config: {err}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        from .config import dump_yaml
+        print(dump_yaml(cfg), end="")
+        return 0
+    from .trainer import main_entry
+    return main_entry(cfg, resume=not args.no_resume)
+
+
+def _run_config(run_dir: str, overrides: list[str]):
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise ConfigError("--run-dir", f"{path} not found: not a memtrain run directory")
+    return load_config(path, [*overrides, f"run_dir={run_dir}"])
+
+
+def main_eval(argv: list[str] | None = None) -> int:
+    p = _parser("memtrain eval")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("overrides", nargs="*", metavar="eval.field=value",
+                   help="e.g. eval.split=test eval.mem_len=2100 eval.tgt_len=80")
+    p.add_argument("--checkpoint", help="checkpoint folder name (default: latest)")
+    p.add_argument("--no-track", action="store_true", help="do not log to the run's MLflow run")
+    args = p.parse_args(argv)
+    try:
+        cfg = _run_config(args.run_dir, args.overrides)
+    except ConfigError as err:
+        print(f"memtrain eval: invalid config: {err}", file=sys.stderr)
+        return 2
+    from .evaluation_cli import run_eval
+    report = run_eval(cfg, args.checkpoint, track=not args.no_track)
+    return 0 if report else 1
+
+
+def main_export(argv: list[str] | None = None) -> int:
+    p = _parser("memtrain export")
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("--out", help="output file (default: <run-dir>/model.safetensors)")
+    p.add_argument("--checkpoint", help="checkpoint folder name (default: latest)")
+    args = p.parse_args(argv)
+    try:
+        cfg = _run_config(args.run_dir, [])
+    except ConfigError as err:
+        print(f"memtrain export: {err}", file=sys.stderr)
+        return 2
+    from .checkpoint import find_latest
+    from .evaluation_cli import pick_checkpoint
+    from .export import export_checkpoint
+    info = pick_checkpoint(cfg, args.checkpoint) if args.checkpoint else \
+        find_latest(cfg.resolved_run_dir / "checkpoints")
+    if info is None:
+        print(f"memtrain export: no complete checkpoint in {args.run_dir}", file=sys.stderr)
+        return 1
+    out = export_checkpoint(info, Path(args.out or Path(args.run_dir) / "model.safetensors"),
+                            cfg.model)
+    print(json.dumps({"exported": str(out), "step": info.step}))
+    return 0

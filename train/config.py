@@ -1,0 +1,390 @@
+"""The run configuration: one typed dataclass tree, read from YAML, overridable per field.
+
+    cfg = load_config("configs/quickstart.yaml", ["model.mem_len=64", "bptt.depth=2"])
+
+Every value is type-checked and range-checked here, before any process group, model or
+tensor exists; a bad value raises `ConfigError` naming the dotted field and the reason (the
+command line turns it into exit code 2). `model:` is `model.ModelConfig` itself, so the
+model's own checks run too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from model import ConfigError, ModelConfig
+from model.config import LaMemoOptions, RMTOptions
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+BPTT_MODES = ("window", "sliding")
+SCHEDULES = ("cosine", "linear", "constant", "plateau")
+PRECISIONS = ("fp32", "bf16", "fp16")
+OPTIMIZERS = ("adam", "adamw")
+
+
+@dataclass
+class DataConfig:
+    # Folder (or URL) holding manifest.json, written by `memtrain prepare` / `memtrain tasks`.
+    path: str = ""
+    # "repeat_blocks": write a generated long-range corpus into `path` if it has no manifest
+    # (the quickstart; no download). "" = the data must exist.
+    generate: str = ""
+    train_split: str = "train"
+    valid_split: str = "valid"
+    test_split: str = "test"
+    # B: stream rows summed over all ranks (DESIGN "Two training regimes"); each rank gets
+    # global_batch / world_size rows, which is also DeepSpeed's micro batch per GPU.
+    global_batch: int = 16
+    url_template: str = ""       # e.g. "pipe:aws s3 cp s3://bucket/enwik8/{shard} -"
+    prefetch: int = 8            # batches the background reader keeps ready
+    seed: int = 0                # episodic tasks: seed of the per-epoch sample permutation
+
+
+@dataclass
+class BPTTConfig:
+    # k: gradients reach k segments back through RMT's memory (RMT §3.3 "BPTT-k"). For XL
+    # and LaMemo, whose memory is detached, a window of k+1 segments only batches steps.
+    depth: int = 0
+    # window: non-overlapping windows of k+1 new segments, one backward each.
+    # sliding: every step re-runs the previous k segments from the memory saved k steps
+    # earlier, then the new one (the RMT LM code), so every loss reaches k segments back.
+    mode: str = "window"
+    # Activation checkpointing around every segment of a window: what stays alive across the
+    # window is the memory passed between segments, so peak memory is nearly flat in k.
+    checkpoint_segments: bool = False
+    # sliding only: also count the re-run segments' losses (the RMT code's --bptt_bp).
+    loss_on_rerun: bool = False
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adam"
+    lr: float = 2.5e-4           # XL, LaMemo, RMT LM scripts
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    # cosine / linear decay to min_lr after warmup (XL, LaMemo); constant; plateau = constant
+    # lr halved when validation stops improving (the RMT algorithmic tasks).
+    schedule: str = "cosine"
+    warmup_steps: int = 0
+    min_lr: float = 0.0
+    plateau_factor: float = 0.5
+    plateau_patience: int = 8    # evaluations without improvement before the lr drops
+    grad_clip: float = 0.25      # max global grad norm (XL code); 0 = off
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0               # validate every N optimizer steps (0 = only at the end)
+    split: str = "valid"         # split of the final evaluation (valid or test)
+    # The papers evaluate with other lengths than they train with (XL §3.3, SPEC §1.8).
+    # 0 / -1 / None mean "as in training".
+    tgt_len: int = 0
+    mem_len: int = -1
+    clamp_len: int | None = None
+    same_length: bool | None = None
+    batch: int = 0               # eval rows over all ranks (0 = data.global_batch)
+    max_segments: int = 0        # per row; 0 = the whole split
+    # Segments at the start of each row excluded from the score, so that every counted
+    # token has a full memory behind it.
+    skip_segments: int = 0
+    # Also evaluate the trained model with its memory switched off (mem_len 0), to show how
+    # much of its score the memory carries.
+    no_memory_baseline: bool = False
+
+
+@dataclass
+class DeepSpeedSection:
+    config: str = "ds_config.json"   # base DeepSpeed JSON (relative paths: project root)
+    zero_stage: int | None = None    # overrides zero_optimization.stage
+    precision: str = "fp32"          # fp32 (CPU), bf16 (A100), fp16 with loss scaling (V100)
+    grad_accum: int = 1              # micro-steps (windows) per optimizer step
+    overrides: dict = field(default_factory=dict)  # merged into the JSON last
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    experiment: str = "memtrain"
+    # "" = env MLFLOW_TRACKING_URI, else a sqlite store in the run directory.
+    uri: str = ""
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    # Everything of a run lives here: resolved config, checkpoints, metrics, eval reports.
+    run_dir: str = "runs/{name}"
+    seed: int = 0
+    max_steps: int = 1000            # optimizer steps
+    log_every: int = 10
+    save_every: int = 0              # checkpoint every N steps (0 = only at the end)
+    keep_last: int = 3               # complete checkpoints kept
+    threads: int = 0                 # torch intra-op threads per rank (0 = torch default)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    bptt: BPTTConfig = field(default_factory=BPTTConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def resolved_run_dir(self) -> Path:
+        return Path(self.run_dir.format(name=self.name))
+
+    def segments_per_step(self) -> int:
+        """New segments each row consumes per optimizer step."""
+        per_window = self.bptt.depth + 1 if self.bptt.mode == "window" else 1
+        return per_window * self.deepspeed.grad_accum
+
+
+# ----------------------------------------------------------------------------- validation
+def _check(cond: bool, name: str, reason: str) -> None:
+    if not cond:
+        raise ConfigError(name, reason)
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Cross-field checks the dataclasses cannot do alone."""
+    _check(bool(cfg.name) and "/" not in cfg.name, "name", "must be a non-empty name without /")
+    for name in ("max_steps", "log_every"):
+        _check(getattr(cfg, name) > 0, name, f"must be > 0, got {getattr(cfg, name)}")
+    for name in ("save_every", "threads"):
+        _check(getattr(cfg, name) >= 0, name, f"must be >= 0, got {getattr(cfg, name)}")
+    _check(cfg.keep_last >= 1, "keep_last", f"must be >= 1, got {cfg.keep_last}")
+
+    d = cfg.data
+    _check(bool(d.path), "data.path", "is required (a folder with manifest.json)")
+    _check(d.generate in ("", "repeat_blocks"), "data.generate",
+           f"unknown generator {d.generate!r}; choose 'repeat_blocks' or ''")
+    _check(d.global_batch > 0, "data.global_batch", f"must be > 0, got {d.global_batch}")
+    _check(d.prefetch >= 1, "data.prefetch", f"must be >= 1, got {d.prefetch}")
+
+    b = cfg.bptt
+    _check(b.depth >= 0, "bptt.depth", f"must be >= 0, got {b.depth}")
+    _check(b.mode in BPTT_MODES, "bptt.mode", f"unknown {b.mode!r}; choose "
+           f"{' or '.join(BPTT_MODES)}")
+
+    o = cfg.optim
+    _check(o.name in OPTIMIZERS, "optim.name", f"unknown {o.name!r}; choose "
+           f"{', '.join(OPTIMIZERS)}")
+    _check(o.lr > 0, "optim.lr", f"must be > 0, got {o.lr}")
+    _check(len(o.betas) == 2 and all(0 <= x < 1 for x in o.betas), "optim.betas",
+           f"must be two numbers in [0, 1), got {o.betas}")
+    _check(o.eps > 0, "optim.eps", f"must be > 0, got {o.eps}")
+    _check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+    _check(o.schedule in SCHEDULES, "optim.schedule", f"unknown {o.schedule!r}; choose "
+           f"{', '.join(SCHEDULES)}")
+    _check(0 <= o.warmup_steps < cfg.max_steps, "optim.warmup_steps",
+           f"must be in [0, max_steps={cfg.max_steps}), got {o.warmup_steps}")
+    _check(0 <= o.min_lr <= o.lr, "optim.min_lr", f"must be in [0, lr={o.lr}], got {o.min_lr}")
+    _check(0 < o.plateau_factor < 1, "optim.plateau_factor", "must be in (0, 1)")
+    _check(o.plateau_patience >= 0, "optim.plateau_patience", "must be >= 0")
+    _check(o.grad_clip >= 0, "optim.grad_clip", f"must be >= 0, got {o.grad_clip}")
+    if o.schedule == "plateau":
+        _check(cfg.eval.every > 0, "eval.every", "the plateau schedule needs periodic "
+               "validation (eval.every > 0)")
+
+    e = cfg.eval
+    _check(e.every >= 0, "eval.every", f"must be >= 0, got {e.every}")
+    _check(e.split in (d.valid_split, d.test_split, d.train_split), "eval.split",
+           f"{e.split!r} is none of the data splits ({d.train_split}, {d.valid_split}, "
+           f"{d.test_split})")
+    _check(e.tgt_len >= 0, "eval.tgt_len", f"must be >= 0, got {e.tgt_len}")
+    _check(e.mem_len >= -1, "eval.mem_len", f"must be >= 0 (or -1: as trained), got {e.mem_len}")
+    _check(e.batch >= 0, "eval.batch", f"must be >= 0, got {e.batch}")
+    _check(e.max_segments >= 0, "eval.max_segments", "must be >= 0")
+    _check(e.skip_segments >= 0, "eval.skip_segments", "must be >= 0")
+    _check(e.max_segments == 0 or e.skip_segments < e.max_segments, "eval.skip_segments",
+           f"skipping {e.skip_segments} of {e.max_segments} segments leaves nothing to score")
+    # Evaluation lengths go through the model's own validation (e.g. same_length needs
+    # mem_len > 0; RMT has no same_length).
+    probe = {**cfg.model.to_dict()}
+    if e.mem_len >= 0:
+        probe["mem_len"] = e.mem_len
+    if e.clamp_len is not None:
+        probe["clamp_len"] = e.clamp_len
+    if e.same_length is not None:
+        probe["same_length"] = e.same_length
+    try:
+        ModelConfig.from_dict(probe)
+    except ConfigError as err:
+        raise ConfigError(err.field.replace("model.", "eval.", 1), str(err).split(": ", 1)[1]) \
+            from None
+
+    s = cfg.deepspeed
+    _check(s.precision in PRECISIONS, "deepspeed.precision", f"unknown {s.precision!r}; "
+           f"choose {', '.join(PRECISIONS)}")
+    _check(s.zero_stage is None or s.zero_stage in (0, 1, 2, 3), "deepspeed.zero_stage",
+           f"must be 0, 1, 2 or 3, got {s.zero_stage}")
+    _check(s.grad_accum >= 1, "deepspeed.grad_accum", f"must be >= 1, got {s.grad_accum}")
+    _check(resolve_path(s.config).is_file(), "deepspeed.config",
+           f"no such file: {resolve_path(s.config)}")
+    return cfg
+
+
+def resolve_path(path: str) -> Path:
+    """Config-relative paths resolve against the working directory, then the project root."""
+    p = Path(path)
+    if p.is_absolute() or p.exists():
+        return p
+    return PROJECT_ROOT / p
+
+
+# ----------------------------------------------------------------------------- typed build
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    """Check `value` against the annotation `tp` (YAML gives ints for floats: accept)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, name)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(name, f"expected {' or '.join(_type_name(a) for a in args)}, got "
+                          f"{value!r}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(name, f"expected a mapping of fields, got {value!r}")
+        return build_dataclass(tp, value, name)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(name, f"expected a list, got {value!r}")
+        (item,) = typing.get_args(tp) or (Any,)
+        return [_coerce(v, item, f"{name}[{i}]") for i, v in enumerate(value)]
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(name, f"expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(name, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(name, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(name, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(name, f"expected a string, got {value!r}")
+        return value
+    return value
+
+
+def build_dataclass(cls, values: dict, prefix: str):
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    for key in values:
+        if key not in known:
+            where = f"{prefix}.{key}" if prefix else key
+            raise ConfigError(where, f"unknown field; known fields: {', '.join(sorted(known))}")
+    kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}" if prefix else k)
+              for k, v in values.items()}
+    return cls(**kwargs)
+
+
+# ModelConfig's nested options are typed too, so `model.rmt.num_mem_tokens=x` is checked.
+_NESTED = {ModelConfig: {"lamemo": LaMemoOptions, "rmt": RMTOptions}}
+
+
+# ----------------------------------------------------------------------------- loading
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for i, key in enumerate(keys[:-1]):
+        nxt = node.setdefault(key, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(".".join(keys[:i + 1]), "is a value, not a section")
+        node = nxt
+    node[keys[-1]] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`model.mem_len=256` -> ("model.mem_len", 256); values are read as YAML scalars, so
+    `true`, `1e-4`, `[1, 2]` and `null` have their YAML types."""
+    if "=" not in text:
+        raise ConfigError(text, "an override must look like section.field=value")
+    key, raw = text.split("=", 1)
+    key = key.strip().removeprefix("--")
+    if not key:
+        raise ConfigError(text, "an override needs a field name before '='")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        raise ConfigError(key, f"cannot read value {raw!r}: {err}") from None
+    return key, value
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple = ()) -> RunConfig:
+    """Read a YAML run config (or start from the defaults), apply `a.b=value` overrides in
+    order, build the typed tree and validate it."""
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            named = PROJECT_ROOT / "configs" / f"{path}.yaml"
+            if not named.is_file():
+                raise ConfigError("--config", f"no such file: {path} (nor {named})")
+            p = named
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError("--config", f"{p} is not valid YAML: {err}") from None
+        if not isinstance(tree, dict):
+            raise ConfigError("--config", f"{p} must hold a mapping of sections")
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_dotted(tree, key, value)
+    return from_dict(tree)
+
+
+def from_dict(tree: dict) -> RunConfig:
+    tree = json.loads(json.dumps(tree))  # a private deep copy
+    model_tree = tree.pop("model", {}) or {}
+    if not isinstance(model_tree, dict):
+        raise ConfigError("model", "must be a mapping of model fields")
+    for sub, cls in _NESTED[ModelConfig].items():
+        if sub in model_tree:
+            model_tree[sub] = _coerce(model_tree[sub], cls, f"model.{sub}")
+    model_fields = {k: v for k, v in model_tree.items() if k not in _NESTED[ModelConfig]}
+    hints = typing.get_type_hints(ModelConfig)
+    for key, value in model_fields.items():
+        if key not in hints:
+            raise ConfigError(f"model.{key}", "unknown field; known fields: "
+                              f"{', '.join(sorted(hints))}")
+        model_tree[key] = _coerce(value, hints[key], f"model.{key}")
+    cfg = build_dataclass(RunConfig, tree, "")
+    cfg.model = ModelConfig(**model_tree)
+    return validate(cfg)
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, default_flow_style=None)

@@ -1,0 +1,110 @@
+"""Who am I in the job: rank, world size and master, from whichever launcher started us.
+
+torchrun and the deepspeed launcher set RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
+MASTER_PORT. srun sets only SLURM's variables (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID,
+SLURM_JOB_NODELIST), so we translate them; the master is the first host of the node list
+(`scontrol show hostnames`). A plain `memtrain train` is a world of one on a free local port.
+Everything ends up in the standard variables, which is what `deepspeed.init_distributed`
+(env://) reads; without them it would try MPI discovery.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    launcher: str          # "torchrun/deepspeed", "slurm" or "single"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First hostname of a SLURM node list such as 'gpu[01-04],cpu7'."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
+                             capture_output=True, text=True, timeout=30).stdout.split()
+        if out:
+            return out[0]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    # No scontrol here: a plain host list, or the first name of a bracketed range.
+    head = nodelist.split(",")[0]
+    if "[" in head:
+        prefix, rng = head.split("[", 1)
+        return prefix + rng.split("-")[0].split(",")[0].rstrip("]")
+    return head
+
+
+def resolve_env(environ: dict | None = None) -> DistEnv:
+    """Read the launcher's variables, fill the standard ones, return who we are."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        launcher = "torchrun/deepspeed"
+        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+        local = int(env.get("LOCAL_RANK", rank))
+        addr = env.get("MASTER_ADDR", "127.0.0.1")
+        port = int(env.get("MASTER_PORT", 29500))
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        launcher = "slurm"
+        rank, world = int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"])
+        local = int(env.get("SLURM_LOCALID", 0))
+        addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST",
+                                                                  "127.0.0.1"))
+        # Every task computes the same port from the job id: no communication needed.
+        port = int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000))
+    else:
+        launcher, rank, world, local = "single", 0, 1, 0
+        addr, port = "127.0.0.1", int(env.get("MASTER_PORT", 0)) or _free_port()
+    if not 0 <= rank < world:
+        raise RuntimeError(f"launcher gave rank {rank} outside a world of {world}")
+    env.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
+                "MASTER_ADDR": addr, "MASTER_PORT": str(port)})
+    return DistEnv(rank, world, local, addr, port, launcher)
+
+
+def device_for(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_process_group(env: DistEnv) -> None:
+    """gloo on CPU (oneCCL is not installable here), nccl on CUDA."""
+    import deepspeed
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
+                               verbose=False)
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()

@@ -1,0 +1,151 @@
+"""DeepSpeed for every run: the resolved ds_config, the optimizer, the LR schedule.
+
+The run config owns what the papers specify (lr, schedule, clipping, batch layout); the
+DeepSpeed JSON owns the systems side (ZeRO stage, offload, bucket sizes). Batch sizes are
+always derived from the run config, so the two cannot disagree: DeepSpeed's "sample" is one
+stream row, its micro batch is this rank's rows, and one micro-step is one BPTT window.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import torch
+
+from .config import RunConfig, resolve_path
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def build_ds_config(cfg: RunConfig, world_size: int, *, load_universal: bool = False) -> dict:
+    """The DeepSpeed config of this run: base JSON <- run config <- deepspeed.overrides."""
+    s = cfg.deepspeed
+    with open(resolve_path(s.config)) as f:
+        ds = json.load(f)
+    if cfg.data.global_batch % world_size:
+        from data_pipeline.streams import rows_of_rank
+        rows_of_rank(cfg.data.global_batch, 0, world_size)  # raises with the numbers
+    micro = cfg.data.global_batch // world_size
+    ds["train_micro_batch_size_per_gpu"] = micro
+    ds["gradient_accumulation_steps"] = s.grad_accum
+    ds["train_batch_size"] = micro * s.grad_accum * world_size
+    ds["gradient_clipping"] = cfg.optim.grad_clip
+    ds["steps_per_print"] = ds.get("steps_per_print", 10**9)
+    if s.zero_stage is not None:
+        ds.setdefault("zero_optimization", {})["stage"] = s.zero_stage
+    ds["bf16"] = {**ds.get("bf16", {}), "enabled": s.precision == "bf16"}
+    # fp16 (V100): dynamic loss scaling; an overflowing step is skipped by DeepSpeed.
+    fp16 = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+            "hysteresis": 2, "min_loss_scale": 1}
+    ds["fp16"] = {**fp16, **ds.get("fp16", {}), "enabled": s.precision == "fp16"}
+    ds = _merge(ds, s.overrides)
+    if load_universal:
+        ds.setdefault("checkpoint", {})["load_universal"] = True
+    # The optimizer and schedule come from the run config (they are the papers' settings).
+    for key in ("optimizer", "scheduler"):
+        if key in ds:
+            raise ValueError(f"ds_config {key!r} section: set the optimizer and schedule in "
+                             f"the run config (optim.*), not in the DeepSpeed JSON")
+    return ds
+
+
+def zero_stage(ds_config: dict) -> int:
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0))
+
+
+def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+    o = cfg.optim
+    cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
+    return cls(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+               weight_decay=o.weight_decay)
+
+
+class LRSchedule:
+    """lr(step) for the papers' schedules, with a state_dict so DeepSpeed checkpoints it.
+
+    cosine / linear: linear warmup over warmup_steps, then decay to min_lr at max_steps
+    (XL, LaMemo: cosine annealing to 0, no warmup). constant: warmup then lr. plateau:
+    constant lr multiplied by `plateau_factor` after `plateau_patience` validations without
+    improvement, never below min_lr (RMT algorithmic tasks: factor 0.5, min 1e-6).
+    DeepSpeed calls step() after every optimizer step; report() is called by validation.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: RunConfig):
+        self.optimizer, self.o, self.max_steps = optimizer, cfg.optim, cfg.max_steps
+        self.last_step = 0
+        self.scale = 1.0          # plateau multiplier
+        self.best = math.inf
+        self.bad_evals = 0
+        self._apply()
+
+    def lr_at(self, step: int) -> float:
+        o = self.o
+        if o.warmup_steps and step < o.warmup_steps:
+            return o.lr * (step + 1) / o.warmup_steps
+        if o.schedule in ("constant", "plateau"):
+            return max(o.lr * self.scale, o.min_lr)
+        progress = min(1.0, (step - o.warmup_steps) / max(1, self.max_steps - o.warmup_steps))
+        if o.schedule == "cosine":
+            return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))
+        return o.lr + (o.min_lr - o.lr) * progress
+
+    def _apply(self) -> None:
+        lr = self.lr_at(self.last_step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self, *_args, **_kwargs) -> None:
+        self.last_step += 1
+        self._apply()
+
+    def report(self, metric: float) -> bool:
+        """Record a validation loss; True if the plateau schedule just lowered the lr."""
+        if self.o.schedule != "plateau":
+            return False
+        if metric < self.best:
+            self.best, self.bad_evals = metric, 0
+            return False
+        self.bad_evals += 1
+        if self.bad_evals > self.o.plateau_patience:
+            self.scale *= self.o.plateau_factor
+            self.bad_evals = 0
+            self._apply()
+            return True
+        return False
+
+    def get_last_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict:
+        return {"last_step": self.last_step, "scale": self.scale, "best": self.best,
+                "bad_evals": self.bad_evals}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_step, self.scale = state["last_step"], state["scale"]
+        self.best, self.bad_evals = state["best"], state["bad_evals"]
+        self._apply()
+
+
+def initialize(model: torch.nn.Module, cfg: RunConfig, ds_config: dict):
+    """deepspeed.initialize with our optimizer and schedule; returns (engine, schedule)."""
+    import deepspeed
+
+    optimizer = build_optimizer(model, cfg)
+    schedule = LRSchedule(optimizer, cfg)
+    engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                                      lr_scheduler=schedule, config=ds_config)
+    # ZeRO wraps the optimizer; the schedule must write into the wrapper's param groups,
+    # which are the ones the update reads.
+    schedule.optimizer = ds_optimizer
+    schedule._apply()
+    return engine, schedule

@@ -1,0 +1,367 @@
+"""The training run: streams -> BPTT windows -> DeepSpeed engine, with checkpoints, signals,
+validation and tracking. One function, `train(cfg)`, run by every rank.
+
+Per optimizer step, each of the `grad_accum` micro-steps runs one BPTT window (bptt.py) and
+makes exactly one backward. Before the backward, one all-reduce per micro-step gathers the
+loss sums, a non-finite flag and a stop flag (SIGTERM / SIGUSR1), so every rank takes the same
+decision at the same step boundary: skip under fp16 loss scaling, stop cleanly otherwise, or
+checkpoint and leave.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from data_pipeline.shards import ShardError, load_manifest
+from data_pipeline.streams import EpisodeStream, LayoutError, TokenStream
+from model import ConfigError, MemoryState, build_model
+
+from . import checkpoint as ckpt
+from .bptt import SlidingHistory, episode_cuts, run_window
+from .config import RunConfig, dump_yaml
+from .distributed import all_reduce_sum, barrier, device_for, init_process_group, resolve_env
+from .engine import build_ds_config, initialize, zero_stage
+from .evaluate import evaluate, headline, protocol_for
+from .progress import Progress, peak_memory_mb
+from .tracking import Tracker
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN/Inf outside fp16 loss scaling; nothing was saved after it."""
+
+
+@dataclass
+class TrainState:
+    step: int = 0                        # optimizer steps done
+    tokens_seen: int = 0                 # counted training tokens, all ranks
+    memory: MemoryState | None = None    # this rank's rows, carried between windows
+    history: SlidingHistory = field(default_factory=lambda: SlidingHistory(0))
+
+
+class StopSignal:
+    """SIGTERM (preemption, scancel) and SIGUSR1 (SLURM's warning before the time limit)
+    only set a flag; the loop acts on it at the next step boundary, on every rank at once."""
+
+    def __init__(self):
+        self.received: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, _frame):
+        self.received = signum
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def open_data(cfg: RunConfig, rank: int):
+    """The manifest (generated first by rank 0 for `data.generate`), checked against the
+    model, before any engine exists."""
+    path = Path(cfg.data.path)
+    if cfg.data.generate and rank == 0 and not (path / "manifest.json").exists():
+        from data_pipeline.synthetic import write_repeat_corpus
+        write_repeat_corpus(path, n_symbols=cfg.model.vocab_size, seed=cfg.data.seed)
+    barrier()
+    manifest = load_manifest(cfg.data.path)
+    if manifest.vocab_size > cfg.model.vocab_size:
+        raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the "
+                          f"data's vocabulary ({manifest.vocab_size} ids in {cfg.data.path})")
+    if manifest.kind == "episodes":
+        seg = (manifest.chunk_tokens - 1) // int(manifest.extra["n_segments"])
+        if seg != cfg.model.tgt_len:
+            raise ConfigError("model.tgt_len", f"{cfg.model.tgt_len} differs from the task's "
+                              f"segment length {seg} ({cfg.data.path})")
+    return manifest
+
+
+def _stream(cfg: RunConfig, manifest, rank: int, world: int):
+    d = cfg.data
+    if manifest.kind == "episodes":
+        return EpisodeStream(manifest, d.train_split, d.global_batch, rank, world, seed=d.seed,
+                             url_template=d.url_template or None)
+    return TokenStream(manifest, d.train_split, d.global_batch, cfg.model.tgt_len, rank, world,
+                       prefetch=d.prefetch, url_template=d.url_template or None)
+
+
+def _restore(info, engine, state: TrainState, stream, env, device) -> None:
+    same_world = info.world_size == env.world_size
+    tag = info.tag if same_world or info.zero_stage == 0 else None
+    if tag is None:
+        if env.is_main:
+            ckpt.to_universal(info)
+        barrier()
+        tag = f"{info.tag}_universal"
+    path, _ = engine.load_checkpoint(str(info.path.parent), tag=tag)
+    if path is None:
+        raise RuntimeError(f"DeepSpeed could not load checkpoint {info.path.parent / tag}")
+    payload = ckpt.load_rank_payload(info, env.rank if same_world else 0)
+    state.step, state.tokens_seen = payload["step"], payload["tokens_seen"]
+    if same_world:
+        stream.load_state_dict(payload["stream"])
+        mem = payload["memory"]
+        state.memory = None if mem is None else MemoryState.from_state_dict(mem).to(device)
+        state.history.load_state_dict(payload["history"], device)
+        ckpt.set_rng_state(payload["rng"])
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # our own warning below says it all
+            stream.load_state_dict(payload["stream"])
+        msg = (f"resuming a {info.world_size}-rank checkpoint on {env.world_size} ranks: model "
+               f"and optimizer re-sharded, streams re-laid at step {state.step}, memory reset")
+        if env.is_main:
+            warnings.warn(msg, stacklevel=2)
+            print(f"WARNING: {msg}", flush=True)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def train(cfg: RunConfig, resume: bool = True) -> int:
+    env = resolve_env()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    init_process_group(env)
+    device = device_for(env.local_rank)
+    run_dir = cfg.resolved_run_dir
+    ckpt_root = run_dir / "checkpoints"
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    barrier()
+    manifest = open_data(cfg, env.rank)
+    stream = _stream(cfg, manifest, env.rank, env.world_size)
+    info = ckpt.find_latest(ckpt_root) if resume else None
+    if not resume and ckpt.find_latest(ckpt_root) is not None:
+        raise ConfigError("run_dir", f"{run_dir} already holds checkpoints; resume it, or "
+                          "choose another name / run_dir for a fresh run")
+    ds_config = build_ds_config(cfg, env.world_size, load_universal=bool(
+        info and info.world_size != env.world_size and info.zero_stage > 0))
+    if info is not None and info.zero_stage != zero_stage(ds_config):
+        raise ConfigError("deepspeed.zero_stage", f"the checkpoint {info.path} was saved at "
+                          f"ZeRO-{info.zero_stage}; resume at the same stage (changing it "
+                          "through DeepSpeed's universal checkpoint fails)")
+    if env.is_main:
+        (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+        _write_json(run_dir / "ds_config.json", ds_config)
+        print(f"memtrain: {env.world_size} rank(s) via {env.launcher}, run dir {run_dir}\n"
+              f"--- resolved config ---\n{dump_yaml(cfg)}--- ds_config ---\n"
+              f"{json.dumps(ds_config, indent=1)}", flush=True)
+
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    model = build_model(cfg.model)
+    engine, schedule = initialize(model, cfg, ds_config)
+    state = TrainState(history=SlidingHistory(cfg.bptt.depth if cfg.bptt.mode == "sliding"
+                                              else 0))
+    if info is not None:
+        _restore(info, engine, state, stream, env, device)
+        if env.is_main:
+            print(f"resumed from {info.path} at step {state.step}", flush=True)
+    tracker = Tracker(run_dir, enabled=env.is_main, experiment=cfg.tracking.experiment,
+                      run_name=cfg.name, tracking_uri=cfg.tracking.uri or None,
+                      params={**cfg.to_dict(), "ds": ds_config},
+                      tags={"model_type": "memory-augmented-lm",
+                            "mechanism": cfg.model.mechanism, "git_commit": git_commit(),
+                            "world_size": env.world_size,
+                            "zero_stage": zero_stage(ds_config)}) \
+        if cfg.tracking.enabled else Tracker(run_dir, enabled=False)
+    loop = _Loop(cfg, env, device, engine, schedule, stream, manifest, state, tracker, ckpt_root,
+                 zero_stage(ds_config))
+    try:
+        status = loop.run()
+    except BaseException:
+        tracker.close("FAILED")
+        if env.is_main:
+            _write_json(run_dir / "status.json", {"state": "failed", "step": state.step})
+        raise
+    tracker.close("FINISHED" if status == "finished" else "KILLED")
+    if env.is_main:
+        _write_json(run_dir / "status.json", {"state": status, "step": state.step})
+    barrier()
+    return 0
+
+
+class _Loop:
+    def __init__(self, cfg, env, device, engine, schedule, stream, manifest, state, tracker,
+                 ckpt_root, stage):
+        self.cfg, self.env, self.device, self.engine = cfg, env, device, engine
+        self.schedule, self.stream, self.manifest, self.state = schedule, stream, manifest, state
+        self.tracker, self.ckpt_root, self.stage = tracker, ckpt_root, stage
+        self.episodic = manifest.kind == "episodes"
+        self.signals = StopSignal()
+        self.fp16 = cfg.deepspeed.precision == "fp16"
+
+    # ------------------------------------------------------------------ one micro-step
+    def _window(self, batches):
+        b, st = self.cfg.bptt, self.state
+        if self.episodic:
+            segs = next(batches)
+            return None, segs, None, episode_cuts(len(segs), b.depth)
+        if b.mode == "window":
+            return st.memory, [next(batches) for _ in range(b.depth + 1)], None, frozenset()
+        new = next(batches)
+        start, segs = st.history.window(new, st.memory)
+        counted = [b.loss_on_rerun] * (len(segs) - 1) + [True]
+        return start, segs, counted, frozenset()
+
+    def _micro_step(self, batches) -> tuple[float, float, bool]:
+        start, segs, counted, cuts = self._window(batches)
+        res = run_window(self.engine, start, segs, self.device, counted=counted,
+                         detach_before=cuts, checkpoint_segments=self.cfg.bptt.checkpoint_segments)
+        finite = bool(torch.isfinite(res.loss.detach()))
+        nll, n, bad, stop = all_reduce_sum([float(res.nll_sum), float(res.n_tokens),
+                                            0.0 if finite else 1.0,
+                                            1.0 if self.signals.received else 0.0], self.device)
+        if bad and not self.fp16:
+            raise NonFiniteLoss(
+                f"non-finite loss at step {self.state.step + 1} on {int(bad)} rank(s); "
+                "stopped before the update, so the last checkpoint is intact. Lower optim.lr, "
+                "check the data, or use fp16 loss scaling on GPUs")
+        if bad:
+            warnings.warn(f"non-finite loss at step {self.state.step + 1}: fp16 loss scaling "
+                          "skips this step", stacklevel=2)
+        self.engine.backward(res.loss)
+        self.engine.step()
+        if not self.episodic:
+            if self.cfg.bptt.mode == "sliding":
+                self.state.history.push(segs[-1], res.state_before_last)
+            self.state.memory = res.state
+        return nll, n, bool(stop)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self) -> None:
+        st = self.state
+        payload = {"step": st.step, "tokens_seen": st.tokens_seen,
+                   "memory": None if st.memory is None else st.memory.to("cpu").state_dict(),
+                   "history": st.history.state_dict(), "stream": self.stream.state_dict(),
+                   "rank": self.env.rank}
+        meta = {"world_size": self.env.world_size, "zero_stage": self.stage,
+                "global_batch": self.cfg.data.global_batch, "name": self.cfg.name,
+                "mechanism": self.cfg.model.mechanism}
+        path = ckpt.save(self.engine, self.ckpt_root, st.step, self.env.rank, payload, meta,
+                         self.cfg.keep_last)
+        if self.env.is_main:
+            print(f"saved checkpoint {path}", flush=True)
+
+    # ------------------------------------------------------------------ evaluation
+    def validate(self, split: str | None = None, final: bool = False) -> dict:
+        cfg = self.cfg
+        split = split or (cfg.eval.split if final else cfg.data.valid_split)
+        proto = protocol_for(cfg, split=split)
+        report = evaluate(self.engine, self.engine.module, self.manifest, proto, self.env.rank,
+                          self.env.world_size, self.device,
+                          url_template=cfg.data.url_template, seed=cfg.data.seed)
+        prefix = "final" if final else "valid"
+        metrics = {f"{prefix}_loss": report["loss"], f"{prefix}_bpc": report["bpc"],
+                   f"{prefix}_ppl": report["ppl"]}
+        if "accuracy" in report:
+            metrics[f"{prefix}_accuracy"] = report["accuracy"]
+        self.tracker.log_metrics(metrics, self.state.step)
+        if self.env.is_main:
+            print(f"[{prefix} step {self.state.step}] {headline(report)}", flush=True)
+        if not final and self.schedule.report(report["loss"]) and self.env.is_main:
+            print(f"plateau: lr lowered to {self.schedule.get_last_lr()[0]:.3g}", flush=True)
+        return report
+
+    def final_reports(self) -> None:
+        cfg = self.cfg
+        reports = {"main": self.validate(final=True)}
+        if cfg.eval.no_memory_baseline and not self.episodic:
+            proto = protocol_for(cfg, carry_memory=False)
+            base = evaluate(self.engine, self.engine.module, self.manifest, proto,
+                            self.env.rank, self.env.world_size, self.device,
+                            url_template=cfg.data.url_template)
+            reports["no_memory"] = base
+            self.tracker.log_metrics({"final_loss_no_memory": base["loss"]}, self.state.step)
+            if self.env.is_main:
+                print(f"[same model, memory switched off] {headline(base)}", flush=True)
+        reports["step"] = self.state.step
+        self.tracker.log_json(reports, "eval_report.json")
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> str:
+        cfg, st, env = self.cfg, self.state, self.env
+        progress = Progress(cfg.max_steps, st.step, enabled=env.is_main)
+        batches = iter(self.stream)
+        self.engine.train()
+        last_log, tokens_at_log = time.perf_counter(), st.tokens_seen
+        loss_sum = loss_n = 0.0
+        saved_at = st.step if st.step else -1
+        stop = False
+        while st.step < cfg.max_steps and not stop:
+            for _ in range(cfg.deepspeed.grad_accum):
+                nll, n, stop_now = self._micro_step(batches)
+                loss_sum, loss_n, stop = loss_sum + nll, loss_n + n, stop or stop_now
+            st.step += 1
+            st.tokens_seen += self._step_tokens()
+            if st.step % cfg.log_every == 0 or st.step == cfg.max_steps:
+                now = time.perf_counter()
+                loss = loss_sum / max(loss_n, 1)
+                metrics = {"loss": loss, "bpc": loss / 0.6931471805599453,
+                           "lr": self.schedule.get_last_lr()[0],
+                           "tokens_per_s": (st.tokens_seen - tokens_at_log) / (now - last_log),
+                           "peak_mem_mb": peak_memory_mb(self.device)}
+                norm = self.engine.get_global_grad_norm()
+                if norm is not None:
+                    metrics["grad_norm"] = float(norm)
+                self.tracker.log_metrics(metrics, st.step)
+                progress.update(st.step, metrics)
+                last_log, tokens_at_log, loss_sum, loss_n = now, st.tokens_seen, 0.0, 0.0
+            else:
+                progress.update(st.step, None)
+            if cfg.eval.every and st.step % cfg.eval.every == 0 and st.step < cfg.max_steps:
+                self.validate()
+            if stop or (cfg.save_every and st.step % cfg.save_every == 0):
+                self.save()
+                saved_at = st.step
+        progress.close()
+        if stop and st.step < cfg.max_steps:
+            if env.is_main:
+                print(f"stop signal {self.signals.received} received: checkpointed at step "
+                      f"{st.step}; the run resumes from there (memtrain train with the same "
+                      "config)", flush=True)
+            return "interrupted"
+        if saved_at != st.step:
+            self.save()
+        self.final_reports()
+        if env.is_main:
+            from .export import export_checkpoint
+            out = export_checkpoint(ckpt.find_latest(self.ckpt_root), cfg.resolved_run_dir /
+                                    "model.safetensors", cfg.model)
+            print(f"exported {out}", flush=True)
+        return "finished"
+
+    def _step_tokens(self) -> int:
+        """Training tokens one optimizer step consumes over all ranks (new segments only)."""
+        cfg = self.cfg
+        if self.episodic:
+            return cfg.data.global_batch * cfg.deepspeed.grad_accum * \
+                cfg.model.tgt_len * self.stream.n_segments
+        return cfg.data.global_batch * cfg.segments_per_step() * cfg.model.tgt_len
+
+
+def main_entry(cfg: RunConfig, resume: bool) -> int:
+    try:
+        return train(cfg, resume)
+    except (ConfigError, ShardError, LayoutError) as err:
+        print(f"memtrain train: {err}", file=sys.stderr)
+        return 2
+    except NonFiniteLoss as err:
+        print(f"memtrain train: {err}", file=sys.stderr)
+        return 3
