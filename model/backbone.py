@@ -53,6 +53,26 @@ def causal_allowed(n_q: int, m_now: int, length: torch.Tensor | None, lengths: L
     return allowed
 
 
+class Learned(nn.Module):
+    """One learned tensor, handed out by calling the module.
+
+    Parameters a mechanism uses directly (u, v, v−, RMT's initial memory) are fetched by
+    calling their own module inside the forward. Under ZeRO-3 that call is what gathers a
+    partitioned parameter, and its output tensor is what re-gathers it for backward; a
+    parameter read as a plain attribute is missed when gradient reaches it only through the
+    memory (e.g. RMT segments whose own loss is not counted).
+    """
+
+    def __init__(self, value: torch.Tensor):
+        super().__init__()
+        self.value = nn.Parameter(value)
+
+    def forward(self) -> torch.Tensor:
+        # A copy, not the Parameter itself: ZeRO-3 frees a module's parameters after its
+        # forward, which would empty a returned Parameter that the graph still holds.
+        return self.value.clone()
+
+
 class RelativeBackbone(nn.Module):
     """Layers, u/v biases (shared, or per layer with untie_r) and the sinusoid R."""
 
@@ -63,15 +83,30 @@ class RelativeBackbone(nn.Module):
         shape = (cfg.n_layer, cfg.n_head, cfg.d_head) if cfg.untie_r else (cfg.n_head, cfg.d_head)
         # u and v of A^rel terms (c) and (d): "global" biases shared across layers in the
         # PyTorch code and in LaMemo; the TF SoTA scripts untie them per layer.
-        self.u_bias = nn.Parameter(torch.zeros(shape))
-        self.v_bias = nn.Parameter(torch.zeros(shape))
+        self.rel_u = Learned(torch.zeros(shape))
+        self.rel_v = Learned(torch.zeros(shape))
         self.drop = nn.Dropout(cfg.dropout)
 
-    def biases(self, layer: int, v_bias: torch.Tensor | None = None):
-        v = self.v_bias if v_bias is None else v_bias
+    @property
+    def u_bias(self) -> nn.Parameter:
+        return self.rel_u.value
+
+    @property
+    def v_bias(self) -> nn.Parameter:
+        return self.rel_v.value
+
+    def bias_tensors(self) -> tuple[torch.Tensor, ...]:
+        """(u, v) for this forward: call once per forward, pass to `biases`."""
+        return self.rel_u(), self.rel_v()
+
+    def biases(self, layer: int, bias: tuple[torch.Tensor, ...] | None = None,
+               future: bool = False):
+        """(u, v) of one layer; future=True gives LaMemo's v− (third entry of `bias`)."""
+        bias = self.bias_tensors() if bias is None else bias
+        u, v = bias[0], bias[2] if future else bias[1]
         if self.cfg.untie_r:
-            return self.u_bias[layer], v[layer]
-        return self.u_bias, v
+            return u[layer], v[layer]
+        return u, v
 
     def r_emb(self, distances: torch.Tensor, lengths: Lengths, absolute: bool = False,
               dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -24,7 +24,7 @@ import math
 import torch
 from torch import nn
 
-from .backbone import Lengths, RelativeBackbone, causal_allowed
+from .backbone import Learned, Lengths, RelativeBackbone, causal_allowed
 from .config import ModelConfig
 from .memory import LaMemoMemory, _fifo
 from .positional import distance_list
@@ -34,10 +34,17 @@ class LaMemo(RelativeBackbone):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         # v− of Eq. 12: the only parameter LaMemo adds to Transformer-XL.
-        self.v_bias_future = nn.Parameter(torch.zeros_like(self.v_bias))
+        self.rel_v_future = Learned(torch.zeros_like(self.v_bias))
         self.opts = cfg.lamemo
         # Set to a list to record α [B, M, H] per layer and step (LaMemo Fig. 6 analysis).
         self.alpha_log: list[torch.Tensor] | None = None
+
+    @property
+    def v_bias_future(self) -> nn.Parameter:
+        return self.rel_v_future.value
+
+    def bias_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.rel_u(), self.rel_v(), self.rel_v_future()
 
     def empty_state(self, batch_size: int, device=None) -> LaMemoMemory:
         # Batch-first even when empty: [B, 0, d], so row operations work before step one.
@@ -60,22 +67,23 @@ class LaMemo(RelativeBackbone):
         h = h0
         contexts, log_norms = [], []
         top = len(self.layers) - 1
+        bias = self.bias_tensors()
         for i, layer in enumerate(self.layers):
             if not m_now:
                 # First segment: no memory to refresh, only the causal branch runs; its C→
                 # and log s→ initialise the state.
                 h, c_all, ln_all = self.run_layer(
-                    lambda *a, _l=layer, _i=i: self._causal_only(_l, _i, *a), h, r_causal,
+                    lambda *a, _l=layer, _i=i: self._causal_only(_l, _i, *a), bias, h, r_causal,
                     allowed)
             elif i == top:
                 # Nothing reads the top layer's refreshed memory rows, only the state: skip
                 # their output and FFN, and refresh without building a graph.
                 h, c_all, ln_all = self.run_layer(
-                    lambda *a, _l=layer, _i=i: self._top_layer(_l, _i, *a), mem, h,
+                    lambda *a, _l=layer, _i=i: self._top_layer(_l, _i, *a), bias, mem, h,
                     state.context[i], state.log_norm[i], r_causal, allowed, *ahead)
             else:
                 mem, h, c_all, ln_all = self.run_layer(
-                    lambda *a, _l=layer, _i=i: self._layer(_l, _i, *a), mem, h,
+                    lambda *a, _l=layer, _i=i: self._layer(_l, _i, *a), bias, mem, h,
                     state.context[i], state.log_norm[i], r_causal, allowed, *ahead)
             contexts.append(c_all)
             log_norms.append(ln_all)
@@ -109,22 +117,22 @@ class LaMemo(RelativeBackbone):
         return r_ahead, la_allowed, win_start, skew_start
 
     # ------------------------------------------------------------------ one layer
-    def _causal_only(self, layer, i, h, r_causal, allowed):
-        u, v_plus = self.biases(i)
+    def _causal_only(self, layer, i, bias, h, r_causal, allowed):
+        u, v_plus = self.biases(i, bias)
         k, v = layer.attn.project_kv(h)
         c_fwd, lse_fwd = layer.attn.attend(layer.attn.project_q(h), k, v,
                                            layer.attn.project_r(r_causal), u, v_plus, allowed,
                                            need_lse=True)
         return layer.ff(layer.attn.output(h, c_fwd)), c_fwd, lse_fwd
 
-    def _branches(self, layer, i, mem, h, c_mem, ln_mem, r_causal, allowed, r_ahead,
+    def _branches(self, layer, i, bias, mem, h, c_mem, ln_mem, r_causal, allowed, r_ahead,
                   la_allowed, win_start, skew_start, *, top: bool):
         """Causal branch for the current rows, look-ahead + interpolation for the memory rows.
         Returns z = [mem ∘ h], C = [C↔ ∘ C→] and log S = [log S_mem ⊕ log s← ∘ log s→]."""
         m_now = mem.shape[1]
         z = torch.cat([mem, h], dim=1)
-        u, v_plus = self.biases(i)
-        v_minus = self.biases(i, self.v_bias_future)[1]
+        u, v_plus = self.biases(i, bias)
+        v_minus = self.biases(i, bias, future=True)[1]
         if self.opts.pos_enc != "disentangled":
             v_minus = v_plus  # the XL RPE ablation: one v, signed distances
         k, v = layer.attn.project_kv(z)
@@ -153,13 +161,13 @@ class LaMemo(RelativeBackbone):
         c_all = torch.cat([c_mix, c_fwd], dim=1)
         return z, c_all, torch.cat([ln_mix, lse_fwd], dim=1)
 
-    def _layer(self, layer, i, mem, *rest):
-        z, c_all, ln_all = self._branches(layer, i, mem, *rest, top=False)
+    def _layer(self, layer, i, bias, mem, *rest):
+        z, c_all, ln_all = self._branches(layer, i, bias, mem, *rest, top=False)
         # Memory and current rows share W_o, LayerNorm and the FFN: one pass over [mem ∘ h].
         out = layer.ff(layer.attn.output(z, c_all))
         m_now = mem.shape[1]
         return out[:, :m_now], out[:, m_now:], c_all, ln_all
 
-    def _top_layer(self, layer, i, mem, h, *rest):
-        z, c_all, ln_all = self._branches(layer, i, mem, h, *rest, top=True)
+    def _top_layer(self, layer, i, bias, mem, h, *rest):
+        z, c_all, ln_all = self._branches(layer, i, bias, mem, h, *rest, top=True)
         return layer.ff(layer.attn.output(h, c_all[:, mem.shape[1]:])), c_all, ln_all

@@ -64,7 +64,7 @@ class MemoryLM(nn.Module):
     def _init_backbone(self) -> None:
         """XL code init: N(0, init_std) weights, zero biases, LayerNorm gain N(1, init_std)."""
         for name, p in self.core.named_parameters():
-            if name.endswith("init_memory"):
+            if "memory_init" in name:
                 continue
             if "layer_norm" in name:
                 if name.endswith("weight"):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .backbone import Lengths, RelativeBackbone
+from .backbone import Learned, Lengths, RelativeBackbone
 from .config import ModelConfig
 from .memory import RMTMemory, XLMemory
 from .positional import distance_list
@@ -63,7 +63,11 @@ class RMT(RelativeBackbone):
         # not learn in 1500 steps). Rows are drawn independently; the authors'
         # `[randn(1, d)] * m` makes all rows one vector, which looks unintended.
         std = cfg.init_std * cfg.d_model ** 0.5
-        self.init_memory = nn.Parameter(torch.randn(cfg.rmt.num_mem_tokens, cfg.d_model) * std)
+        self.memory_init = Learned(torch.randn(cfg.rmt.num_mem_tokens, cfg.d_model) * std)
+
+    @property
+    def init_memory(self) -> nn.Parameter:
+        return self.memory_init.value
 
     def empty_state(self, batch_size: int, device=None) -> RMTMemory:
         m, d = self.init_memory.shape
@@ -78,8 +82,9 @@ class RMT(RelativeBackbone):
         bsz, n_tok, _ = h0.shape
         if state is None:
             state = self.empty_state(bsz, h0.device)
-        m = self.init_memory.shape[0]
-        init = self.init_memory.to(h0.dtype)[None].expand(bsz, -1, -1)
+        init_memory = self.memory_init()
+        m = init_memory.shape[0]
+        init = init_memory.to(h0.dtype)[None].expand(bsz, -1, -1)
         mem_in = torch.where(state.fresh[:, None, None], init, state.tokens.to(h0.dtype))
         x = torch.cat([mem_in, h0, mem_in], dim=1)
         n_q = x.shape[1]
@@ -93,9 +98,10 @@ class RMT(RelativeBackbone):
         r_emb = self.r_emb(dist, lengths, dtype=h0.dtype)
 
         layer_inputs, h = [], x
+        bias = self.bias_tensors()
         for i, layer in enumerate(self.layers):
             layer_inputs.append(h)
-            u, v = self.biases(i)
+            u, v = self.biases(i, bias)
             h = self.run_layer(layer, h, cache.hids[i] if c_now else None, r_emb, u, v, allowed)
         h = self.drop(h)  # write outputs are taken after the final dropout (RMT code)
         new_cache = cache.appended(layer_inputs, lengths.mem_len) if cache is not None else None

@@ -33,10 +33,11 @@ class TransformerXL(RelativeBackbone):
         r_emb = self.r_emb(dist, lengths, dtype=h0.dtype)
 
         layer_inputs, h = [], h0
+        bias = self.bias_tensors()
         for i, layer in enumerate(self.layers):
             layer_inputs.append(h)
             mem = state.hids[i] if m_now else None
-            u, v = self.biases(i)
+            u, v = self.biases(i, bias)
             h = self.run_layer(layer, h, mem, r_emb, u, v, allowed)
         if lengths.mem_len > 0:
             new_state = state.appended(layer_inputs, lengths.mem_len)

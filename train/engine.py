@@ -136,6 +136,20 @@ class LRSchedule:
         self._apply()
 
 
+def _register_parameter_lists(model: torch.nn.Module) -> None:
+    """ZeRO-3 gathers a module's own parameters around its forward and backward. A
+    ParameterList is a child module that is never called: its parameters are used by the
+    parent (the adaptive softmax's cluster weights and projections), so without this the
+    backward meets them still partitioned (numel 0)."""
+    from deepspeed.runtime.zero import register_external_parameter
+
+    for module in model.modules():
+        for child in module.children():
+            if isinstance(child, (torch.nn.ParameterList, torch.nn.ParameterDict)):
+                for param in child.parameters():
+                    register_external_parameter(module, param)
+
+
 def initialize(model: torch.nn.Module, cfg: RunConfig, ds_config: dict):
     """deepspeed.initialize with our optimizer and schedule; returns (engine, schedule)."""
     import deepspeed
@@ -144,6 +158,8 @@ def initialize(model: torch.nn.Module, cfg: RunConfig, ds_config: dict):
     schedule = LRSchedule(optimizer, cfg)
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                       lr_scheduler=schedule, config=ds_config)
+    if zero_stage(ds_config) == 3:
+        _register_parameter_lists(engine.module)
     # ZeRO wraps the optimizer; the schedule must write into the wrapper's param groups,
     # which are the ones the update reads.
     schedule.optimizer = ds_optimizer

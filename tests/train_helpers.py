@@ -1,0 +1,116 @@
+"""Shared pieces of the training tests: a learnable tiny corpus, a tiny run config, and
+launching `python -m train` as 1 process or 2 ranks (torchrun / deepspeed launcher)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from data_pipeline.shards import Manifest, id_dtype, write_manifest, write_token_split
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+V = 16
+
+
+def make_word_corpus(path: Path, n_train: int = 60_000, n_valid: int = 6_000, seed: int = 0):
+    """Random 'words' (fixed 3-5 symbol spellings) in random order: inside a word the next
+    symbol is certain, so a tiny model's loss falls within a few dozen steps."""
+    path.mkdir(parents=True, exist_ok=True)
+    if (path / "manifest.json").exists():
+        return path
+    rng = np.random.default_rng(seed)
+    words = [rng.integers(0, V, rng.integers(3, 6)) for _ in range(10)]
+    splits = {}
+    for split, n in (("train", n_train), ("valid", n_valid), ("test", n_valid)):
+        out, total = [], 0
+        while total < n:
+            w = words[rng.integers(len(words))]
+            out.append(w)
+            total += len(w)
+        ids = np.concatenate(out)[:n].astype(id_dtype(V))
+        splits[split] = write_token_split(path, split, [ids], id_dtype(V), 8192, 4)
+    vocab = {"kind": "synthetic", "generator": "words", "size": V}
+    write_manifest(path, Manifest(
+        kind="tokens", source="words", vocab=vocab,
+        vocab_fingerprint=hashlib.sha256(json.dumps(vocab).encode()).hexdigest(),
+        vocab_size=V, dtype=str(id_dtype(V)), chunk_tokens=8192, splits=splits))
+    return path
+
+
+def tiny_config(tmp: Path, name: str = "t", **sections) -> Path:
+    """A YAML run config for a 2-layer model on the word corpus; `sections` update it."""
+    cfg = {
+        "name": name, "run_dir": str(tmp / "runs" / name), "max_steps": 12, "log_every": 1,
+        "threads": 1,
+        "model": {"mechanism": "xl", "vocab_size": V, "n_layer": 2, "d_model": 32,
+                  "n_head": 2, "d_inner": 64, "tgt_len": 8, "mem_len": 8, "dropout": 0.1},
+        "data": {"path": str(make_word_corpus(tmp / "data")), "global_batch": 4},
+        "optim": {"lr": 3e-3, "schedule": "constant"},
+        "eval": {"max_segments": 10},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            cfg.setdefault(key, {}).update(value)
+        else:
+            cfg[key] = value
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_ext"))
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = str(ROOT)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env.update(extra or {})
+    return env
+
+
+def train_cmd(config: Path, overrides=(), nproc: int = 1, launcher: str = "torchrun"):
+    args = ["--config", str(config), *overrides]
+    if nproc == 1 and launcher == "single":
+        return [str(BIN / "memtrain"), "train", *args]
+    if launcher == "deepspeed":
+        return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port",
+                str(free_port()), "--module", "train", *args]
+    return [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port",
+            str(free_port()), "-m", "train", *args]
+
+
+def run_train(config: Path, overrides=(), nproc: int = 1, launcher: str = "torchrun",
+              env: dict | None = None, timeout: int = 600, check: bool = True):
+    done = subprocess.run(train_cmd(config, overrides, nproc, launcher), cwd=ROOT,
+                          env=child_env(env), capture_output=True, text=True, timeout=timeout)
+    if check and done.returncode != 0:
+        raise AssertionError(f"training failed ({done.returncode}):\n{done.stdout[-4000:]}\n"
+                             f"{done.stderr[-6000:]}")
+    return done
+
+
+def step_losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
+    """Per-step training loss from metrics.jsonl (later lines win: a resumed run re-logs
+    the steps after its checkpoint)."""
+    out = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if key in row:
+            out[row["step"]] = row[key]
+    return out
