@@ -1,0 +1,117 @@
+"""Checkpoint and resume: a SIGKILLed 2-rank run resumes to exactly the losses and weights
+of an uninterrupted one; another world size re-shards; a save killed midway never counts;
+the exported file loads without DeepSpeed and scores like the engine did."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from train_helpers import (
+    ROOT,
+    BIN,
+    child_env,
+    run_train,
+    step_losses,
+    tiny_config,
+    train_cmd,
+)
+
+from model import load_model
+from train.checkpoint import find_latest
+
+pytestmark = pytest.mark.slow
+
+
+def _rmt_sliding(tmp, name, **kw):
+    # RMT with an XL cache, sliding BPTT (saved inputs and memories are resumable state),
+    # dropout (the RNG must be restored): everything resume has to get right.
+    return tiny_config(tmp, name, max_steps=16, save_every=4,
+                       model={"mechanism": "rmt", "mem_len": 4, "dropout": 0.1,
+                              "rmt": {"num_mem_tokens": 3}},
+                       bptt={"depth": 2, "mode": "sliding"},
+                       deepspeed={"zero_stage": 2}, eval={"max_segments": 4}, **kw)
+
+
+def _latest_step(run_dir):
+    info = find_latest(run_dir / "checkpoints")
+    return info.step if info else 0
+
+
+def test_sigkill_mid_training_then_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
+    ref_cfg = _rmt_sliding(tmp_path, "uninterrupted")
+    run_train(ref_cfg, nproc=2)
+    ref = step_losses(tmp_path / "runs" / "uninterrupted")
+
+    cfg = _rmt_sliding(tmp_path, "killed")
+    run_dir = tmp_path / "runs" / "killed"
+    proc = subprocess.Popen(train_cmd(cfg, nproc=2), cwd=ROOT, env=child_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    while _latest_step(run_dir) < 8 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks, no warning
+    proc.wait()
+    killed_at = _latest_step(run_dir)
+    assert 8 <= killed_at < 16, f"the run was not interrupted mid-training ({killed_at})"
+    run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
+
+    done = run_train(cfg, nproc=2)
+    assert f"resumed from {run_dir / 'checkpoints'}" in done.stdout
+    resumed = step_losses(run_dir)
+    assert sorted(resumed) == sorted(ref) == list(range(1, 17))
+    assert resumed == ref  # bit for bit, every step after the checkpoint included
+    a = load_file(str(tmp_path / "runs" / "uninterrupted" / "model.safetensors"))
+    b = load_file(str(run_dir / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # The resumed run continued the same MLflow run.
+    assert json.loads((run_dir / "tracking.json").read_text())["run_id"] == run_id
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_resume_on_another_world_size_reshards_weights_and_optimizer(tmp_path, stage):
+    cfg = tiny_config(tmp_path, "elastic", max_steps=8, deepspeed={"zero_stage": stage},
+                      eval={"max_segments": 4})
+    run_train(cfg, nproc=2)
+    first = step_losses(tmp_path / "runs" / "elastic")
+    done = run_train(cfg, ["max_steps=12"], nproc=1)
+    out = done.stdout + done.stderr
+    assert "resuming a 2-rank checkpoint on 1 ranks" in out and "memory reset" in out
+    losses = step_losses(tmp_path / "runs" / "elastic")
+    assert sorted(losses) == list(range(1, 13))
+    # Trained weights came back: the continued loss stays far below the untrained one.
+    assert max(losses[s] for s in range(9, 13)) < first[1] - 0.15
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_usable(tmp_path):
+    cfg = tiny_config(tmp_path, "faulty", max_steps=10, save_every=4, eval={"max_segments": 4})
+    run_dir = tmp_path / "runs" / "faulty"
+    done = run_train(cfg, nproc=1, check=False,
+                     env={"MEMTRAIN_FAULT": "after_rank_files:8"})
+    assert done.returncode != 0
+    # The step-8 save wrote DeepSpeed's and the rank files but died before its marker.
+    assert (run_dir / "checkpoints" / ".tmp-step00000008" / "memtrain_rank00000.pt").is_file()
+    assert not (run_dir / "checkpoints" / "step00000008").exists()
+    assert find_latest(run_dir / "checkpoints").step == 4
+    done = run_train(cfg, nproc=1)
+    assert "step00000004 at step 4" in done.stdout
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+    assert [i.step for i in [find_latest(run_dir / "checkpoints")]] == [10]
+
+    # The export loads with the model API alone, and `memtrain eval` (plain model, no
+    # DeepSpeed) scores exactly what the engine reported at the end of training.
+    model = load_model(run_dir / "model.safetensors")
+    assert model.cfg.mechanism == "xl" and model.num_params() > 0
+    report = json.loads((run_dir / "eval_report.json").read_text())["main"]
+    done = subprocess.run([str(BIN / "memtrain"), "eval", "--run-dir", str(run_dir),
+                           "--no-track"], cwd=ROOT, env=child_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (evaluated,) = [json.loads(p.read_text()) for p in (run_dir / "eval").glob("*.json")]
+    assert evaluated["protocol"] == report["protocol"]
+    assert evaluated["loss"] == pytest.approx(report["loss"], rel=1e-6)
