@@ -102,6 +102,12 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_usable(tmp_path):
     assert "step00000004 at step 4" in done.stdout
     assert not list((run_dir / "checkpoints").glob(".tmp-*"))
     assert [i.step for i in [find_latest(run_dir / "checkpoints")]] == [10]
+    # Resumed from step 4 on one rank with dropout: the same losses as a run never stopped
+    # (this also pins the RNG restore, which the 2-rank ZeRO-2 test above cannot see).
+    ref_cfg = tiny_config(tmp_path, "straight", max_steps=10, save_every=4,
+                          eval={"max_segments": 4})
+    run_train(ref_cfg, nproc=1)
+    assert step_losses(run_dir) == step_losses(tmp_path / "runs" / "straight")
 
     # The export loads with the model API alone, and `memtrain eval` (plain model, no
     # DeepSpeed) scores exactly what the engine reported at the end of training.
