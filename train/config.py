@@ -289,6 +289,12 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
             raise ConfigError(name, f"expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):
+            # PyYAML (YAML 1.1) reads 1e-4 as a string: it needs "1.0e-4". Accept both.
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(name, f"expected a number, got {value!r}")
         return float(value)
