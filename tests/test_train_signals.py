@@ -1,0 +1,70 @@
+"""Stopping cleanly: SIGUSR1 / SIGTERM on ONE rank makes every rank checkpoint at the same
+step and leave; the run then resumes to the uninterrupted losses. A non-finite loss stops
+the run with exit code 3 before the update, leaving the last checkpoint intact."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from train_helpers import ROOT, child_env, run_train, step_losses, tiny_config, train_cmd
+
+from train.checkpoint import find_latest
+
+pytestmark = pytest.mark.slow
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+def test_a_signal_on_one_rank_checkpoints_every_rank_at_the_same_step(tmp_path, sig):
+    kw = dict(max_steps=30, model={"mechanism": "rmt", "mem_len": 4,
+                                   "rmt": {"num_mem_tokens": 3}},
+              bptt={"depth": 1}, deepspeed={"zero_stage": 2}, eval={"max_segments": 4})
+    cfg = tiny_config(tmp_path, "signalled", **kw)
+    run_dir = tmp_path / "runs" / "signalled"
+    proc = subprocess.Popen(train_cmd(cfg, nproc=2), cwd=ROOT, env=child_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.1)
+    ranks = _children(proc.pid)
+    assert len(ranks) == 2, f"expected 2 rank processes under torchrun, found {ranks}"
+    os.kill(max(ranks), sig)  # one rank only: the other must learn of it and agree
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "interrupted" and 5 <= status["step"] < 30
+    info = find_latest(run_dir / "checkpoints")
+    assert info.step == status["step"] and info.world_size == 2
+    assert f"checkpointed at step {status['step']}" in out
+
+    run_train(cfg, nproc=2)
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
+    ref_cfg = tiny_config(tmp_path, "straight", **kw)
+    run_train(ref_cfg, nproc=2)
+    assert step_losses(run_dir) == step_losses(tmp_path / "runs" / "straight")
+
+
+def test_a_non_finite_loss_stops_with_exit_3_and_keeps_the_last_checkpoint(tmp_path):
+    # An absurd learning rate: Adam moves every weight by ~1e12 at step 1, so the loss of
+    # step 2 overflows. Nothing of step 2 may be saved.
+    cfg = tiny_config(tmp_path, "diverged", max_steps=10, save_every=1,
+                      optim={"lr": 1e12, "schedule": "constant"}, model={"dropout": 0.0})
+    run_dir = tmp_path / "runs" / "diverged"
+    done = run_train(cfg, nproc=1, check=False)
+    assert done.returncode != 0
+    assert "non-finite loss at step 2" in done.stderr
+    assert "the last checkpoint is intact" in done.stderr
+    assert find_latest(run_dir / "checkpoints").step == 1
+    assert not (run_dir / "checkpoints" / "step00000002").exists()
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "failed"
