@@ -179,8 +179,10 @@ def train(cfg: RunConfig, resume: bool = True) -> int:
                       tags={"model_type": "memory-augmented-lm",
                             "mechanism": cfg.model.mechanism, "git_commit": git_commit(),
                             "world_size": env.world_size,
-                            "zero_stage": zero_stage(ds_config)}) \
-        if cfg.tracking.enabled else Tracker(run_dir, enabled=False)
+                            "zero_stage": zero_stage(ds_config)},
+                      use_mlflow=cfg.tracking.enabled)
+    tracker.log_artifact(run_dir / "config.yaml", "config")
+    tracker.log_artifact(run_dir / "ds_config.json", "config")
     loop = _Loop(cfg, env, device, engine, schedule, stream, manifest, state, tracker, ckpt_root,
                  zero_stage(ds_config))
     try:

@@ -1,0 +1,273 @@
+"""train.tracking: what a run records in MLflow and locally, and that tracking never stops
+training (dead server, server dying mid-run, disabled ranks).
+
+Checks read the runs back with a separate MlflowClient, i.e. as a user browsing them would.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+# mlflow_server_fixture provides the `mlflow_server` fixture: pytest collects it from here.
+from mlflow_server import free_port, mlflow_server_fixture, start_mlflow_server  # noqa: F401
+
+from train.tracking import HEALTH_TIMEOUT_S, Tracker, TrackingWarning, flatten_params
+
+PARAMS = {"model": {"mem_len": 4, "cutoffs": [10, 20], "clamp_len": None},
+          "optim": {"lr": 2.5e-4, "betas": [0.9, 0.999]}, "seed": 0}
+FLAT = {"model.mem_len": "4", "model.cutoffs": "[10, 20]", "model.clamp_len": "None",
+        "optim.lr": "0.00025", "optim.betas": "[0.9, 0.999]", "seed": "0"}
+TAGS = {"model_type": "transformer_xl", "mechanism": "xl", "git_commit": "abc123"}
+LOSSES = {1: 3.0, 2: 2.5, 3: 2.25, 4: 2.0}
+
+
+@pytest.fixture(autouse=True)
+def clean_mlflow_env():
+    """No MLFLOW_* from the caller's shell, and none of what Tracker sets for http URIs
+    (retries, timeout) leaks into later tests."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}
+    for k in saved:
+        del os.environ[k]
+    yield
+    for k in [k for k in os.environ if k.startswith("MLFLOW_")]:
+        del os.environ[k]
+    os.environ.update(saved)
+
+
+def run_training(tracker: Tracker, losses: dict[int, float]) -> None:
+    for step, loss in losses.items():
+        tracker.log_metrics({"train/loss": loss, "lr": 1e-3 * step}, step=step)
+    tracker.log_metrics({"valid/loss": 2.2}, step=max(losses))
+
+
+def history(client: MlflowClient, run_id: str, key: str) -> dict[int, float]:
+    return {m.step: m.value for m in client.get_metric_history(run_id, key)}
+
+
+def jsonl(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def tracking_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, TrackingWarning)]
+
+
+def assert_complete_run(client: MlflowClient, run_id: str) -> None:
+    """Params, metric history, tags, artifacts and final status of a run logged by
+    run_training + log_json + close()."""
+    run = client.get_run(run_id)
+    assert run.data.params == FLAT
+    assert history(client, run_id, "train/loss") == LOSSES
+    assert history(client, run_id, "lr") == pytest.approx({s: 1e-3 * s for s in LOSSES})
+    assert history(client, run_id, "valid/loss") == {4: 2.2}
+    assert TAGS.items() <= run.data.tags.items()
+    assert {a.path for a in client.list_artifacts(run_id)} >= {"eval.json", "loss_curve.png"}
+    assert run.info.status == "FINISHED"
+
+
+def test_embedded_store_records_params_metrics_tags_artifacts_and_status(tmp_path):
+    run_dir = tmp_path / "run"
+    tracker = Tracker(run_dir, run_name="xl-tiny", params=PARAMS, tags=TAGS)
+    assert tracker.tracking_uri == f"sqlite:///{run_dir.absolute()}/mlflow.db"
+    run_training(tracker, LOSSES)
+    path = tracker.log_json({"valid_loss": 2.2}, "eval.json")
+    tracker.close()
+
+    assert json.loads(path.read_text()) == {"valid_loss": 2.2}
+    assert (run_dir / "loss_curve.png").stat().st_size > 1000
+    assert_complete_run(MlflowClient(tracker.tracking_uri), tracker.run_id)
+    # The artifacts stay inside the run dir (not ./mlruns of the working directory).
+    assert (run_dir / "mlartifacts" / tracker.run_id / "artifacts" / "loss_curve.png").exists()
+    lines = jsonl(run_dir)
+    assert [(r["step"], r.get("train/loss")) for r in lines] == [*LOSSES.items(), (4, None)]
+    assert all(abs(r["time"] - time.time()) < 600 for r in lines)
+
+
+def test_resume_continues_the_same_run_and_keeps_first_param_values(tmp_path):
+    run_dir = tmp_path / "run"
+    first = Tracker(run_dir, params={"lr": 1.0, "seed": 0})
+    first.log_metrics({"train/loss": 3.0}, step=1)
+    first.close("KILLED")  # e.g. preempted
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        second = Tracker(run_dir, params={"lr": 0.5, "seed": 0, "extra": 7})
+    assert second.run_id == first.run_id
+    client = MlflowClient(second.tracking_uri)
+    assert client.get_run(second.run_id).info.status == "RUNNING"
+    second.log_metrics({"train/loss": 2.0}, step=2)
+    second.close()
+
+    run = client.get_run(first.run_id)
+    assert history(client, first.run_id, "train/loss") == {1: 3.0, 2: 2.0}
+    assert run.info.status == "FINISHED"
+    # MLflow refuses to change a param: the first value stays, the new one is a tag.
+    assert run.data.params == {"lr": "1.0", "seed": "0", "extra": "7"}
+    assert run.data.tags["memtrain.resumed_param.lr"] == "0.5"
+    assert any("lr" in m for m in tracking_warnings(caught))
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+    assert len(jsonl(run_dir)) == 2
+
+
+def test_changed_tracking_uri_starts_a_new_run_and_warns(tmp_path):
+    run_dir = tmp_path / "run"
+    first = Tracker(run_dir)
+    first.close()
+    other = f"sqlite:///{tmp_path}/other.db"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        second = Tracker(run_dir, tracking_uri=other)
+    second.close()
+    assert second.run_id is not None and second.run_id != first.run_id
+    assert any("changed" in m and other in m for m in tracking_warnings(caught))
+    assert json.loads((run_dir / "tracking.json").read_text())["tracking_uri"] == other
+
+
+def test_many_and_long_params_are_batched_and_truncated(tmp_path, monkeypatch):
+    # MLflow 3.17's own stores accept 250 params in one call and cut long values themselves;
+    # its REST API documents <= 100 per call, and with MLFLOW_TRUNCATE_LONG_VALUES=false (or
+    # other backends) a long value is refused. So: watch the batch sizes, turn truncation off.
+    monkeypatch.setenv("MLFLOW_TRUNCATE_LONG_VALUES", "false")
+    sizes = []
+    log_batch = MlflowClient.log_batch
+
+    def counting_log_batch(self, run_id, metrics=(), params=(), tags=(), **kw):
+        sizes.append(len(params))
+        return log_batch(self, run_id, metrics=metrics, params=params, tags=tags, **kw)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", counting_log_batch)
+    params = {f"p{i:03d}": i for i in range(250)} | {"long": "x" * 7000}
+    tracker = Tracker(tmp_path / "run", tracking_uri=f"sqlite:///{tmp_path}/m.db",
+                      params=params)
+    tracker.close()
+    assert sum(sizes) == 251 and max(sizes) <= 100
+    run = MlflowClient(tracker.tracking_uri).get_run(tracker.run_id)
+    assert len(run.data.params) == 251 and run.data.params["p249"] == "249"
+    assert len(run.data.params["long"]) == 6000 and run.data.params["long"].endswith("]")
+    assert "long" in run.data.tags["memtrain.truncated_params"]
+
+
+@pytest.mark.slow  # starts a real mlflow server (~10 s)
+def test_real_server_records_params_metrics_tags_artifacts_and_status(tmp_path,
+                                                                      mlflow_server):
+    tracker = Tracker(tmp_path / "run", tracking_uri=mlflow_server, experiment="srv",
+                      params=PARAMS, tags=TAGS)
+    assert tracker.tracking_uri == mlflow_server and tracker.run_id is not None
+    run_training(tracker, LOSSES)
+    tracker.log_json({"valid_loss": 2.2}, "eval.json")
+    tracker.close()
+    client = MlflowClient(mlflow_server)
+    assert_complete_run(client, tracker.run_id)
+    local = tmp_path / "downloaded"
+    local.mkdir()
+    got = client.download_artifacts(tracker.run_id, "eval.json", str(local))
+    assert json.loads(Path(got).read_text()) == {"valid_loss": 2.2}
+
+
+@pytest.mark.parametrize("server", ["refusing", "silent"])
+def test_unreachable_server_warns_once_and_keeps_local_metrics(tmp_path, server):
+    # refusing: nothing listens on the port. silent: the kernel accepts the connection but
+    # no one ever answers (a hung server), which only a timeout can end.
+    port = free_port()
+    uri = f"http://127.0.0.1:{port}"
+    run_dir = tmp_path / "run"
+    with socket.socket() as listener, warnings.catch_warnings(record=True) as caught:
+        if server == "silent":
+            listener.bind(("127.0.0.1", port))
+            listener.listen(16)
+        warnings.simplefilter("always")
+        start = time.monotonic()
+        tracker = Tracker(run_dir, tracking_uri=uri, params=PARAMS, tags=TAGS)
+        # A hung server costs the /health probe's timeout, not MLflow's 5 s request timeout.
+        assert time.monotonic() - start < (HEALTH_TIMEOUT_S + 1.5 if server == "silent" else 10)
+        assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "0"
+        for step in range(1, 51):
+            tracker.log_metrics({"train/loss": 1.0 / step}, step=step)
+        tracker.log_json({"a": 1}, "eval.json")
+        tracker.set_tags({"x": "y"})
+        tracker.close("FAILED")
+    messages = tracking_warnings(caught)
+    assert len(messages) == 1 and uri in messages[0]
+    assert tracker.run_id is None
+    assert [r["step"] for r in jsonl(run_dir)] == list(range(1, 51))
+    assert (run_dir / "loss_curve.png").exists()
+
+
+@pytest.mark.slow  # starts a real mlflow server (~10 s)
+def test_server_dying_mid_run_warns_once_and_keeps_local_metrics(tmp_path):
+    uri, stop = start_mlflow_server(tmp_path / "server")
+    try:
+        tracker = Tracker(tmp_path / "run", tracking_uri=uri)
+        tracker.log_metrics({"train/loss": 1.0}, step=1)
+    finally:
+        stop()
+    # Worst case: the port now accepts connections but never answers (a hung server). Every
+    # MLflow request would wait the 5 s timeout; only the first one may.
+    port = int(uri.rsplit(":", 1)[1])
+    with socket.socket() as hung, warnings.catch_warnings(record=True) as caught:
+        hung.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        hung.bind(("127.0.0.1", port))
+        hung.listen(64)
+        warnings.simplefilter("always")
+        start = time.monotonic()
+        for step in range(2, 22):
+            tracker.log_metrics({"train/loss": 1.0 / step}, step=step)
+        tracker.close()
+        assert time.monotonic() - start < 12
+    messages = tracking_warnings(caught)
+    assert len(messages) == 1 and uri in messages[0]
+    assert [r["step"] for r in jsonl(tmp_path / "run")] == list(range(1, 22))
+
+
+def test_nan_loss_and_odd_metric_names_do_not_stop_mlflow_logging(tmp_path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tracker = Tracker(tmp_path / "run", tracking_uri=f"sqlite:///{tmp_path}/m.db")
+        tracker.log_metrics({"train/loss": float("nan"), "grad norm (max)": 1.0}, step=1)
+        tracker.log_metrics({"train/loss": 2.0}, step=2)
+        tracker.close()
+    assert tracking_warnings(caught) == []
+    client = MlflowClient(tracker.tracking_uri)
+    got = history(client, tracker.run_id, "train/loss")
+    assert got[2] == 2.0 and got[1] != got[1]  # NaN
+    assert history(client, tracker.run_id, "grad norm _max_") == {1: 1.0}
+    # A user's sqlite store keeps artifacts beside its db, not in ./mlruns of the cwd.
+    assert (tmp_path / "mlartifacts" / tracker.run_id / "artifacts" / "loss_curve.png").exists()
+
+
+def test_disabled_tracker_writes_nothing_and_does_not_import_mlflow(tmp_path):
+    run_dir = tmp_path / "run"
+    tracker = Tracker(run_dir, enabled=False, params=PARAMS, tags=TAGS)
+    tracker.log_metrics({"train/loss": 1.0}, step=1)
+    tracker.log_json({"a": 1}, "eval.json")
+    tracker.log_artifact(__file__)
+    tracker.set_tags({"x": "y"})
+    tracker.close()
+    assert not run_dir.exists() and tracker.run_id is None
+    # A fresh interpreter: this one has mlflow imported already.
+    code = ("import sys; from train.tracking import Tracker; "
+            f"t = Tracker({str(run_dir)!r}, enabled=False); "
+            "t.log_metrics({'loss': 1.0}, step=1); t.close(); "
+            "print('mlflow' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).parents[1], check=True)
+    assert out.stdout.strip() == "False"
+    assert not run_dir.exists()
+
+
+def test_flatten_params_joins_keys_with_dots_and_renders_lists_and_none():
+    tree = {"model": {"mem_len": 4, "rmt": {"num_mem_tokens": 2}, "cutoffs": [1, 2],
+                      "names": ("a", "b"), "clamp_len": None, "tie": True, "opts": {}},
+            "lr": 0.5}
+    assert flatten_params(tree) == {
+        "model.mem_len": "4", "model.rmt.num_mem_tokens": "2", "model.cutoffs": "[1, 2]",
+        "model.names": '["a", "b"]', "model.clamp_len": "None", "model.tie": "True",
+        "model.opts": "{}", "lr": "0.5"}
+    assert flatten_params({"x": 1}, prefix="cfg") == {"cfg.x": "1"}

@@ -1,0 +1,364 @@
+"""Rank-0 experiment tracking: MLflow when it works, a local metrics.jsonl always.
+
+    tracker = Tracker(run_dir, enabled=rank == 0, params=cfg.to_dict(), tags={...})
+    tracker.log_metrics({"train/loss": 2.1, "lr": 2.5e-4}, step=10)
+    tracker.close("FINISHED")   # plots run_dir/loss_curve.png and logs it first
+
+Tracking is a side show of training and must never stop it: every MLflow call is wrapped,
+the first failure is warned about once (naming the URI and the error), and from then on the
+tracker is local-only. `run_dir/metrics.jsonl` gets every log_metrics call regardless, so
+the numbers of a run survive a dead server, a full MLflow database or a missing package.
+
+Where the run goes: `tracking_uri`, else env MLFLOW_TRACKING_URI, else an embedded sqlite
+store inside the run directory (`mlflow.db`, artifacts in `mlartifacts/`), so a run dir is
+self-contained and `mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db` browses it.
+The run id is kept in `run_dir/tracking.json`; a restarted job on the same run dir and URI
+continues the same MLflow run, so one training run is one MLflow run across preemptions.
+mlflow is imported lazily: non-zero ranks (enabled=False) never pay its ~2 s import.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import time
+import urllib.error
+import urllib.request
+import warnings
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# MLflow's limits (mlflow.utils.validation), copied so that disabled trackers import nothing.
+MAX_PARAMS_PER_BATCH = 100
+MAX_METRICS_PER_BATCH = 1000
+MAX_PARAM_VALUE = 6000
+MAX_TAG_VALUE = 8000
+TRUNCATED = "...[truncated]"
+STATUSES = ("FINISHED", "FAILED", "KILLED")
+# Metric names the loss plot looks for, first match wins (log train/loss and valid/loss).
+TRAIN_LOSS_KEYS = ("train/loss", "train_loss", "loss")
+VALID_LOSS_KEYS = ("valid/loss", "valid_loss", "val_loss", "eval/loss")
+HEALTH_TIMEOUT_S = 3.0
+
+
+class TrackingWarning(UserWarning):
+    """Tracking degraded (MLflow unreachable or failing, run not resumable); training goes on."""
+
+
+def flatten_params(tree: dict, prefix: str = "") -> dict[str, str]:
+    """{"model": {"mem_len": 4, "cutoffs": [1, 2]}} -> {"model.mem_len": "4", ...}.
+
+    Lists and tuples become JSON (unambiguous, re-parsable); other leaves, None included,
+    become str() as mlflow.log_params would render them. An empty dict stays visible as "{}".
+    """
+    out: dict[str, str] = {}
+    for key, value in tree.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, dict) and value:
+            out.update(flatten_params(value, name))
+        elif isinstance(value, dict):
+            out[name] = "{}"
+        elif isinstance(value, (list, tuple)):
+            out[name] = json.dumps(list(value), default=str)
+        else:
+            out[name] = str(value)
+    return out
+
+
+def _read_points(metrics_jsonl: Path, keys: tuple[str, ...]) -> list[tuple[int, float]]:
+    """(step, value) of the first key in `keys` present in the file; the last line wins per
+    step, because a job resumed from an older checkpoint logs some steps again."""
+    by_key: dict[str, dict[int, float]] = {k: {} for k in keys}
+    try:
+        lines = Path(metrics_jsonl).read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+            step = int(rec["step"])
+        except (ValueError, KeyError, TypeError):  # e.g. a line cut short by a crash
+            continue
+        for k in keys:
+            v = rec.get(k)
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                by_key[k][step] = float(v)
+    return next((sorted(points.items()) for points in by_key.values() if points), [])
+
+
+def plot_loss_curve(metrics_jsonl: Path, out_png: Path) -> Path | None:
+    """Train loss against step, valid loss as points on top; None when there is no loss."""
+    train = _read_points(metrics_jsonl, TRAIN_LOSS_KEYS)
+    valid = _read_points(metrics_jsonl, VALID_LOSS_KEYS)
+    if not train and not valid:
+        return None
+    # Figure + Agg canvas instead of pyplot: no global backend switch, no display needed.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    if train:
+        ax.plot(*zip(*train, strict=True), label="train", linewidth=1.2)
+    if valid:
+        ax.plot(*zip(*valid, strict=True), "o", label="valid", markersize=5)
+    ax.set(xlabel="step", ylabel="loss (nats)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=100, bbox_inches="tight")
+    return out_png
+
+
+def _clip(value: str, limit: int) -> str:
+    return value if len(value) <= limit else value[: limit - len(TRUNCATED)] + TRUNCATED
+
+
+def _warn(msg: str) -> None:
+    warnings.warn(msg, TrackingWarning, stacklevel=3)
+
+
+def _param_key(key: str) -> str:
+    # MLflow accepts only these characters in param, metric and tag names.
+    return re.sub(r"[^/\w.\- :]", "_", key)
+
+
+class Tracker:
+    """One training run's tracking; see the module docstring. Methods never raise."""
+
+    def __init__(self, run_dir: str | Path, *, enabled: bool = True,
+                 experiment: str = "memtrain", run_name: str | None = None,
+                 tracking_uri: str | None = None, params: dict | None = None,
+                 tags: dict | None = None, use_mlflow: bool = True):
+        self.enabled = enabled
+        self.run_dir = Path(run_dir).absolute()
+        self.experiment = experiment
+        self.run_id: str | None = None
+        self.tracking_uri = ""
+        self._client = None          # MlflowClient while MLflow works; None = local-only
+        self._warned_local = False
+        self._closed = False
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        if not use_mlflow:  # tracking.enabled: false -> metrics.jsonl and the plot only
+            return
+        embedded = f"sqlite:///{self.run_dir}/mlflow.db"
+        self.tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or embedded
+        try:
+            self._start(run_name, params or {}, tags or {})
+        except Exception as err:  # tracking must never stop training
+            self._fail(err)
+
+    # ------------------------------------------------------------------ starting / resuming
+    def _start(self, run_name: str | None, params: dict, tags: dict) -> None:
+        uri = self.tracking_uri
+        if uri.startswith(("http://", "https://")):
+            # MLflow's own client retries with backoff for minutes by default; these make a
+            # dead server cost seconds. setdefault: a user's explicit choice wins.
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+            _probe(uri)
+        from mlflow import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        flat = {_param_key(k): v for k, v in flatten_params(params).items()}
+        run = self._resumable_run(client)
+        resumed = run is not None
+        if not resumed:
+            run = client.create_run(self._experiment_id(client), run_name=run_name)
+        self.run_id, self._client = run.info.run_id, client
+        if not resumed:
+            self._write_state()
+        elif run.info.status != "RUNNING":  # a finished run continues: show it as running
+            client.update_run(self.run_id, status="RUNNING")
+        self._log_params(flat, run.data.params)
+        self.set_tags(tags)
+
+    def _resumable_run(self, client):
+        """The run recorded in tracking.json, if it is on this URI and still alive."""
+        try:
+            state = json.loads((self.run_dir / "tracking.json").read_text())
+            old_id, old_uri = state["run_id"], state["tracking_uri"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if old_uri != self.tracking_uri:
+            _warn(f"tracking URI changed from {old_uri} to {self.tracking_uri}: "
+                  f"starting a new MLflow run instead of continuing run {old_id}")
+            return None
+        from mlflow.exceptions import MlflowException
+
+        try:
+            run = client.get_run(old_id)
+        except MlflowException as err:
+            if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise  # a server error, not a missing run: go local-only
+            run = None
+        if run is None or run.info.lifecycle_stage == "deleted":
+            _warn(f"MLflow run {old_id} no longer exists at {old_uri}: starting a new one")
+            return None
+        if state.get("experiment", self.experiment) != self.experiment:
+            _warn(f"continuing run {old_id} in its experiment {state['experiment']!r}, "
+                  f"not {self.experiment!r}")
+        return run
+
+    def _experiment_id(self, client) -> str:
+        exp = client.get_experiment_by_name(self.experiment)
+        if exp is None:
+            # A sqlite store keeps artifacts beside its db file (for the embedded store: in the
+            # run dir), not in ./mlruns of whatever directory the job happened to start in,
+            # which is MLflow's default. A server chooses its own location.
+            where = None
+            if self.tracking_uri.startswith("sqlite:///"):
+                db = Path(self.tracking_uri[len("sqlite:///"):]).absolute()
+                where = str(db.parent / "mlartifacts")
+            return client.create_experiment(self.experiment, artifact_location=where)
+        if exp.lifecycle_stage == "deleted":
+            client.restore_experiment(exp.experiment_id)
+        return exp.experiment_id
+
+    def _log_params(self, flat: dict[str, str], logged: dict[str, str]) -> None:
+        """Log the params not yet in the run (`logged`: all of them for a new run). MLflow
+        refuses to change a logged param, so a resumed run keeps its first values and a changed
+        value becomes the tag `memtrain.resumed_param.<key>`, with a warning."""
+        from mlflow.entities import Param
+
+        clipped = {k: _clip(v, MAX_PARAM_VALUE) for k, v in flat.items()}
+        new = [Param(k, v) for k, v in clipped.items() if k not in logged]
+        self._log_batch("params", new, MAX_PARAMS_PER_BATCH)
+        long = sorted(p.key for p in new if p.value != flat[p.key])
+        if long:
+            note = f"{', '.join(long)} cut to {MAX_PARAM_VALUE} characters (MLflow's limit)"
+            log.warning("MLflow params %s", note)
+            self.set_tags({"memtrain.truncated_params": note})
+        changed = {k: v for k, v in clipped.items() if k in logged and logged[k] != v}
+        if changed:
+            _warn(f"resumed run {self.run_id} with changed params {', '.join(sorted(changed))}; "
+                  "recorded as memtrain.resumed_param.* tags (MLflow keeps the first values)")
+            self.set_tags({f"memtrain.resumed_param.{k}": v for k, v in changed.items()})
+
+    def _write_state(self) -> None:
+        state = {"run_id": self.run_id, "tracking_uri": self.tracking_uri,
+                 "experiment": self.experiment}
+        tmp = self.run_dir / "tracking.json.tmp"
+        tmp.write_text(json.dumps(state, indent=2) + "\n")
+        tmp.replace(self.run_dir / "tracking.json")  # atomic: never a half-written file
+
+    # ------------------------------------------------------------------ failure handling
+    def _fail(self, err: BaseException) -> None:
+        """Any MLflow error: warn, and local-only for the rest of the run. Local-only means no
+        MLflow call is tried again, so this warns once and a hung server stalls training once
+        (MLFLOW_HTTP_REQUEST_TIMEOUT), not at every step."""
+        self._client = None
+        msg = " ".join(str(err).split())[:500]  # one line; a server may send a whole page
+        _warn(f"MLflow tracking at {self.tracking_uri} failed ({type(err).__name__}: {msg}); "
+              f"continuing local-only, metrics go to {self.run_dir}/metrics.jsonl")
+
+    def _mlflow(self, method: str, *args, **kwargs) -> None:
+        """self._client.<method>(...) unless local-only; any error makes it local-only."""
+        if self._client is None:
+            return
+        try:
+            getattr(self._client, method)(*args, **kwargs)
+        except Exception as err:  # tracking must never stop training
+            self._fail(err)
+
+    def _log_batch(self, kind: str, items: list, size: int) -> None:
+        # MLflow takes at most 100 params/tags and 1000 metrics per log_batch call.
+        for i in range(0, len(items), size):
+            self._mlflow("log_batch", self.run_id, **{kind: items[i:i + size]})
+
+    # ------------------------------------------------------------------ public API
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if not self.enabled:
+            return
+        values: dict[str, float] = {}
+        for k, v in metrics.items():
+            try:
+                values[k] = float(v)  # python numbers, numpy scalars, 0-d tensors
+            except (TypeError, ValueError):
+                log.warning("metric %s=%r is not a number; not logged", k, v)
+        now = time.time()
+        try:
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps({"step": int(step), "time": now, **values}) + "\n")
+        except OSError as err:
+            if not self._warned_local:
+                self._warned_local = True
+                _warn(f"cannot append to {self.metrics_path}: {err}")
+        if self._client is None or not values:
+            return
+        from mlflow.entities import Metric
+
+        ms = int(now * 1000)
+        batch = [Metric(_param_key(k), v, ms, int(step)) for k, v in values.items()]
+        self._log_batch("metrics", batch, MAX_METRICS_PER_BATCH)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        if not self.enabled or self._client is None:
+            return
+        path = Path(path)
+        if not path.exists():  # the caller's mistake, not MLflow's: keep tracking on
+            log.warning("artifact %s does not exist; not logged", path)
+            return
+        method = "log_artifacts" if path.is_dir() else "log_artifact"
+        self._mlflow(method, self.run_id, str(path), artifact_path)
+
+    def log_json(self, data: dict, name: str) -> Path:
+        path = self.run_dir / name
+        if not self.enabled:
+            return path
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+        except OSError as err:
+            log.warning("cannot write %s: %s", path, err)
+            return path
+        # name "eval/report.json" lands at artifact eval/report.json, as in the run dir.
+        sub = Path(name).parent.as_posix()
+        self.log_artifact(path, None if sub == "." else sub)
+        return path
+
+    def set_tags(self, tags: dict) -> None:
+        if not self.enabled or self._client is None or not tags:
+            return
+        from mlflow.entities import RunTag
+
+        items = [RunTag(_param_key(str(k)), _clip(str(v), MAX_TAG_VALUE)) for k, v in tags.items()]
+        self._log_batch("tags", items, MAX_PARAMS_PER_BATCH)
+
+    def close(self, status: str = "FINISHED") -> None:
+        if not self.enabled or self._closed:
+            return
+        self._closed = True
+        if status not in STATUSES:  # a typo must not leave the run RUNNING forever
+            log.warning("unknown run status %r; recording FAILED", status)
+            status = "FAILED"
+        try:
+            png = plot_loss_curve(self.metrics_path, self.run_dir / "loss_curve.png")
+        except Exception as err:  # a plotting bug must not fail the run's end
+            log.warning("loss curve not plotted: %s", err)
+            png = None
+        if png is not None:
+            self.log_artifact(png)
+        self._mlflow("set_terminated", self.run_id, status)
+        self._client = None  # later calls (if any) are local-only
+
+
+def _probe(uri: str) -> None:
+    """Raise if nothing answers at <uri>/health within HEALTH_TIMEOUT_S. Any HTTP answer,
+    even 401/404 (a proxy, an auth layer), means someone is there: MLflow takes it from here."""
+    url = uri.rstrip("/") + "/health"
+    try:
+        urllib.request.urlopen(url, timeout=HEALTH_TIMEOUT_S).close()
+    except urllib.error.HTTPError:
+        return
+    except (urllib.error.URLError, OSError) as err:
+        raise ConnectionError(f"no answer from {url}: {getattr(err, 'reason', err)}") from err
