@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from train_helpers import (
-    ROOT,
     BIN,
+    ROOT,
     child_env,
     run_train,
     step_losses,
