@@ -32,3 +32,7 @@ fi
 # DeepSpeed JIT-compiles its shared-memory communication op on first use (~30 s);
 # keep the build in the checkout so every later process reuses it.
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_ext}
+if [ ! -d "$TORCH_EXTENSIONS_DIR/deepspeed_shm_comm" ]; then
+    .venv/bin/python -c "from deepspeed.accelerator import get_accelerator as g; \
+g().create_op_builder('ShareMemCommBuilder').load()" > /dev/null 2>&1 || true
+fi

@@ -28,8 +28,11 @@ def main_train(argv: list[str] | None = None) -> int:
     p = _parser("memtrain train")
     p.add_argument("--config", help="YAML run config, or a name in configs/ (quickstart, ...)")
     p.add_argument("overrides", nargs="*", metavar="section.field=value")
-    p.add_argument("--no-resume", action="store_true",
-                   help="refuse to continue a run directory that holds checkpoints")
+    when = p.add_mutually_exclusive_group()
+    when.add_argument("--resume", action="store_true", help="continue the run directory's "
+                      "latest checkpoint; fail if there is none (default: resume if present)")
+    when.add_argument("--no-resume", action="store_true",
+                      help="refuse to continue a run directory that holds checkpoints")
     p.add_argument("--print-config", action="store_true", help="print the resolved config "
                    "and exit")
     # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
@@ -45,7 +48,7 @@ def main_train(argv: list[str] | None = None) -> int:
         print(dump_yaml(cfg), end="")
         return 0
     from .trainer import main_entry
-    return main_entry(cfg, resume=not args.no_resume)
+    return main_entry(cfg, resume="require" if args.resume else not args.no_resume)
 
 
 def _run_config(run_dir: str, overrides: list[str]):

@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -91,6 +92,11 @@ def device_for(local_rank: int) -> torch.device:
 
 def init_process_group(env: DistEnv) -> None:
     """gloo on CPU (oneCCL is not installable here), nccl on CUDA."""
+    # DeepSpeed JIT-compiles an op on first use (~30 s); scripts/setup.sh builds it into the
+    # checkout, so reuse that build unless the user chose another place.
+    prebuilt = Path(__file__).resolve().parents[1] / ".cache" / "torch_ext"
+    if prebuilt.is_dir():
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(prebuilt))
     import deepspeed
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -134,7 +134,10 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def train(cfg: RunConfig, resume: bool = True) -> int:
+def train(cfg: RunConfig, resume: bool | str = True) -> int:
+    """Run (or continue) the training run `cfg` on this rank. resume: True = continue the
+    latest checkpoint if any, False = refuse a run directory with checkpoints, "require" =
+    fail unless there is one."""
     env = resolve_env()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -148,6 +151,8 @@ def train(cfg: RunConfig, resume: bool = True) -> int:
     manifest = open_data(cfg, env.rank)
     stream = _stream(cfg, manifest, env.rank, env.world_size)
     info = ckpt.find_latest(ckpt_root) if resume else None
+    if resume == "require" and info is None:
+        raise ConfigError("--resume", f"no complete checkpoint in {ckpt_root}")
     if not resume and ckpt.find_latest(ckpt_root) is not None:
         raise ConfigError("run_dir", f"{run_dir} already holds checkpoints; resume it, or "
                           "choose another name / run_dir for a fresh run")
@@ -175,7 +180,10 @@ def train(cfg: RunConfig, resume: bool = True) -> int:
             print(f"resumed from {info.path} at step {state.step}", flush=True)
     tracker = Tracker(run_dir, enabled=env.is_main, experiment=cfg.tracking.experiment,
                       run_name=cfg.name, tracking_uri=cfg.tracking.uri or None,
-                      params={**cfg.to_dict(), "ds": ds_config},
+                      params={**cfg.to_dict(), "ds": ds_config,
+                              "valid_protocol": asdict(protocol_for(
+                                  cfg, split=cfg.data.valid_split)),
+                              "final_protocol": asdict(protocol_for(cfg))},
                       tags={"model_type": "memory-augmented-lm",
                             "mechanism": cfg.model.mechanism, "git_commit": git_commit(),
                             "world_size": env.world_size,
@@ -358,7 +366,7 @@ class _Loop:
         return cfg.data.global_batch * cfg.segments_per_step() * cfg.model.tgt_len
 
 
-def main_entry(cfg: RunConfig, resume: bool) -> int:
+def main_entry(cfg: RunConfig, resume: bool | str) -> int:
     try:
         return train(cfg, resume)
     except (ConfigError, ShardError, LayoutError) as err:

@@ -1,0 +1,38 @@
+"""Who am I: rank, world and master from torchrun/deepspeed, from SLURM (srun), or alone."""
+
+from train.distributed import first_slurm_host, resolve_env
+
+
+def test_torchrun_and_deepspeed_variables_are_taken_as_they_are():
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "node7",
+           "MASTER_PORT": "29501"}
+    who = resolve_env(env)
+    assert (who.rank, who.world_size, who.local_rank, who.master_addr, who.master_port) == \
+        (3, 4, 1, "node7", 29501)
+    assert who.launcher == "torchrun/deepspeed"
+
+
+def test_srun_tasks_are_translated_from_slurm_variables():
+    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
+           "SLURM_JOB_NODELIST": "gpu-a", "SLURM_JOB_ID": "12345"}
+    who = resolve_env(env)
+    assert (who.rank, who.world_size, who.local_rank, who.launcher) == (5, 8, 1, "slurm")
+    assert who.master_addr == "gpu-a"
+    assert who.master_port == 20000 + 12345 % 20000  # the same on every task, no talking
+    # The standard variables are filled in for torch.distributed's env:// rendezvous.
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_ADDR"]) == \
+        ("5", "8", "1", "gpu-a")
+
+
+def test_a_slurm_node_range_gives_its_first_host_without_scontrol(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")  # no scontrol: the fallback parser
+    assert first_slurm_host("gpu[03-06,09],cpu1") == "gpu03"
+    assert first_slurm_host("nodeA,nodeB") == "nodeA"
+
+
+def test_a_plain_process_is_a_world_of_one_on_a_free_port():
+    env: dict = {}
+    who = resolve_env(env)
+    assert (who.rank, who.world_size, who.launcher) == (0, 1, "single")
+    assert who.master_addr == "127.0.0.1" and who.master_port > 0
+    assert env["WORLD_SIZE"] == "1"
