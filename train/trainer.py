@@ -69,6 +69,20 @@ def git_commit() -> str:
         return "unknown"
 
 
+def check_run(cfg: RunConfig, world_size: int, device: torch.device) -> None:
+    """Checks that need the world or the device, still before any engine exists."""
+    from data_pipeline.streams import rows_of_rank
+
+    rows_of_rank(cfg.data.global_batch, 0, world_size)  # LayoutError with the numbers
+    try:
+        rows_of_rank(cfg.eval.batch or cfg.data.global_batch, 0, world_size)
+    except LayoutError as err:
+        raise ConfigError("eval.batch", str(err)) from None
+    if cfg.deepspeed.precision != "fp32" and device.type != "cuda":
+        raise ConfigError("deepspeed.precision", f"{cfg.deepspeed.precision} is for GPUs "
+                          "(bf16 on A100, fp16 with loss scaling on V100); use fp32 on CPU")
+
+
 def open_data(cfg: RunConfig, rank: int):
     """The manifest (generated first by rank 0 for `data.generate`), checked against the
     model, before any engine exists."""
@@ -86,6 +100,9 @@ def open_data(cfg: RunConfig, rank: int):
         if seg != cfg.model.tgt_len:
             raise ConfigError("model.tgt_len", f"{cfg.model.tgt_len} differs from the task's "
                               f"segment length {seg} ({cfg.data.path})")
+        if cfg.bptt.mode == "sliding":
+            raise ConfigError("bptt.mode", "sliding applies to token streams; task samples "
+                              "run BPTT through the sample (bptt.depth limits it)")
     return manifest
 
 
@@ -143,6 +160,7 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
         torch.set_num_threads(cfg.threads)
     init_process_group(env)
     device = device_for(env.local_rank)
+    check_run(cfg, env.world_size, device)
     run_dir = cfg.resolved_run_dir
     ckpt_root = run_dir / "checkpoints"
     if env.is_main:
