@@ -46,3 +46,5 @@ for name, cut, ckpt in (("full", set(), False), ("full_ckpt", set(), True),
     if env.rank == 0:
         print(json.dumps({"case": name, "reached": reached, "n_local": n_local,
                           "n_full": n_full}), flush=True)
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()  # an exit with gloo still up can abort a rank

@@ -72,7 +72,11 @@ def main_eval(argv: list[str] | None = None) -> int:
         print(f"memtrain eval: invalid config: {err}", file=sys.stderr)
         return 2
     from .evaluation_cli import run_eval
-    report = run_eval(cfg, args.checkpoint, track=not args.no_track)
+    try:
+        report = run_eval(cfg, args.checkpoint, track=not args.no_track)
+    except (FileNotFoundError, ValueError) as err:  # no such checkpoint; weights vs config
+        print(f"memtrain eval: {err}", file=sys.stderr)
+        return 1
     return 0 if report else 1
 
 

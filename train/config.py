@@ -255,14 +255,13 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
         for arg in args:
             if arg is type(None):
                 continue
             try:
                 return _coerce(value, arg, name)
-            except ConfigError as err:
-                errors.append(str(err))
+            except ConfigError:
+                continue
         raise ConfigError(name, f"expected {' or '.join(_type_name(a) for a in args)}, got "
                           f"{value!r}")
     if dataclasses.is_dataclass(tp):

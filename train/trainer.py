@@ -222,6 +222,9 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     if env.is_main:
         _write_json(run_dir / "status.json", {"state": status, "step": state.step})
     barrier()
+    # Leave the process group explicitly: tearing gloo down at interpreter exit can abort a
+    # rank ("terminate called without an active exception") after a successful run.
+    torch.distributed.destroy_process_group()
     return 0
 
 
