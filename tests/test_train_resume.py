@@ -73,7 +73,7 @@ def test_sigkill_mid_training_then_resume_reproduces_the_uninterrupted_run_exact
     assert json.loads((run_dir / "tracking.json").read_text())["run_id"] == run_id
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_resume_on_another_world_size_reshards_weights_and_optimizer(tmp_path, stage):
     cfg = tiny_config(tmp_path, "elastic", max_steps=8, deepspeed={"zero_stage": stage},
                       eval={"max_segments": 4})
