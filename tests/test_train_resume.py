@@ -22,7 +22,7 @@ from train_helpers import (
 )
 
 from model import load_model
-from train.checkpoint import find_latest
+from train.checkpoint import complete_checkpoints, find_latest
 
 pytestmark = pytest.mark.slow
 
@@ -69,6 +69,9 @@ def test_sigkill_mid_training_then_resume_reproduces_the_uninterrupted_run_exact
     a = load_file(str(tmp_path / "runs" / "uninterrupted" / "model.safetensors"))
     b = load_file(str(run_dir / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # keep_last (default 3) complete checkpoints remain, `latest` names the newest.
+    assert [i.step for i in complete_checkpoints(run_dir / "checkpoints")] == [8, 12, 16]
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step00000016"
     # The resumed run continued the same MLflow run.
     assert json.loads((run_dir / "tracking.json").read_text())["run_id"] == run_id
 
