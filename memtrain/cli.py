@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("train.cli", "main_train", "train a model (DeepSpeed; resumes a run directory)"),
     "eval": ("train.cli", "main_eval", "score a run's checkpoint under an evaluation protocol"),
     "export": ("train.cli", "main_export", "write a run's weights as one fp32 safetensors file"),
+    "submit": ("cluster.submit", "main_submit", "render a run's sbatch script and submit it"),
     "smoke": ("train.smoke", "main", "train tiny XL / LaMemo / RMT briefly; memory vs baseline"),
     "prepare": ("data_pipeline.prepare", "main_prepare",
                 "tokenize a corpus into ordered webdataset shards + manifest"),

@@ -29,6 +29,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "$want" > "$stamp"
 fi
 
+# The cluster tests run a real single-node SLURM (Debian's slurm-wlm and munge). Installed
+# when this runs as root on Debian/Ubuntu and they are missing; elsewhere those tests skip.
+if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null && ! command -v slurmd > /dev/null; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        slurm-wlm munge > /dev/null) || echo "setup: could not install slurm-wlm/munge" >&2
+fi
+
 # DeepSpeed JIT-compiles its shared-memory communication op on first use (~30 s);
 # keep the build in the checkout so every later process reuses it.
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_ext}

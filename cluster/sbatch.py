@@ -1,0 +1,162 @@
+"""Render a readable sbatch script for a memtrain run; every user value validated and quoted.
+
+The script is plain bash that `sbatch` takes as it is (no pickles, no hidden state):
+
+    #SBATCH lines          resources, from validated options only
+    setup lines            e.g. `module load cuda/12.1`, each re-quoted word by word
+    launch                 srun, one task per GPU (ranks from SLURM's variables)
+    requeue on stop        SLURM's warning signal (--signal=USR1@<s>) or a preemption SIGTERM
+                           makes every rank checkpoint and exit; the script then requeues the
+                           job (at most --max-requeues times) unless the run finished.
+
+Values that reach the script either match a strict pattern (partition, account, time, ...)
+or go through shlex.quote, so a partition name or a setup line cannot run other commands.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from model import ConfigError
+
+# The deepspeed-launcher mode (issue 5) is not built yet: srun only.
+LAUNCHERS = ("srun",)
+# Precision a GPU generation wants when the run config does not choose: V100s have no bf16,
+# so fp16 with dynamic loss scaling; A100/H100 train in bf16.
+PRECISION_FOR_GPU = {"v100": "fp16", "a100": "bf16", "h100": "bf16"}
+# SLURM names: letters, digits and a few separators; no spaces, quotes or shell metacharacters.
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+_CONSTRAINT = re.compile(r"^[A-Za-z0-9_.\-&|\[\]*:()]{1,128}$")
+_TIME = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")          # MM, H:MM:SS, D-HH:MM:SS
+_MEM = re.compile(r"^\d+[KMGT]?$")
+_GPU_TYPE = re.compile(r"^[A-Za-z0-9_\-]{1,32}$")
+_PATH = re.compile(r"^[A-Za-z0-9_./\-+]+$")
+
+
+@dataclass
+class SubmitOptions:
+    nodes: int = 1
+    gpus_per_node: int = 1
+    time: str = "24:00:00"
+    partition: str = ""
+    account: str = ""
+    qos: str = ""
+    constraint: str = ""
+    cpus_per_task: int = 8
+    tasks_per_node: int = 0            # 0: one per GPU (1 for a CPU job)
+    mem: str = ""
+    exclusive: bool = False
+    gpu_type: str = ""                 # e.g. v100, a100: --gres=gpu:<type>:<n>
+    setup: list[str] = field(default_factory=list)
+    launcher: str = "srun"
+    signal_seconds: int = 300          # warning before the time limit
+    max_requeues: int = 10
+    job_name: str = "memtrain"
+    python: str = "python"             # the interpreter on the nodes (a venv's bin/python)
+
+    def validate(self) -> SubmitOptions:
+        def need(cond, name, reason):
+            if not cond:
+                raise ConfigError(f"--{name.replace('_', '-')}", reason)
+
+        need(self.nodes >= 1, "nodes", f"must be >= 1, got {self.nodes}")
+        need(self.gpus_per_node >= 0, "gpus_per_node", "must be >= 0 (0: CPU job)")
+        need(self.cpus_per_task >= 1, "cpus_per_task", "must be >= 1")
+        need(self.tasks_per_node >= 0, "tasks_per_node", "must be >= 0")
+        need(bool(_TIME.match(self.time)), "time", f"{self.time!r} is not a SLURM time "
+             "(minutes, H:MM:SS or D-HH:MM:SS)")
+        for name in ("partition", "account", "qos", "job_name"):
+            value = getattr(self, name)
+            need(not value or bool(_NAME.match(value)), name,
+                 f"{value!r}: only letters, digits, '_', '.', '-' are allowed")
+        need(not self.constraint or bool(_CONSTRAINT.match(self.constraint)), "constraint",
+             f"{self.constraint!r} is not a SLURM feature expression")
+        need(not self.mem or bool(_MEM.match(self.mem)), "mem",
+             f"{self.mem!r} is not a SLURM memory size (e.g. 64G)")
+        need(not self.gpu_type or bool(_GPU_TYPE.match(self.gpu_type)), "gpu_type",
+             f"{self.gpu_type!r} is not a GPU type name")
+        need(self.launcher in LAUNCHERS, "launcher", f"choose {' or '.join(LAUNCHERS)}")
+        need(self.signal_seconds >= 0, "signal_seconds", "must be >= 0")
+        need(self.max_requeues >= 0, "max_requeues", "must be >= 0")
+        for line in self.setup:
+            need("\n" not in line and "\r" not in line, "setup", "one command per --setup")
+            try:
+                shlex.split(line)
+            except ValueError as err:
+                raise ConfigError("--setup", f"{line!r}: {err}") from None
+        return self
+
+    @property
+    def ntasks_per_node(self) -> int:
+        return self.tasks_per_node or max(1, self.gpus_per_node)
+
+
+def _setup_line(line: str) -> str:
+    """A setup command, word by word quoted: `module load cuda/12.1` stays as it is, and
+    `x; rm -rf ~` becomes the harmless argument 'x;' followed by more arguments."""
+    return " ".join(shlex.quote(word) for word in shlex.split(line))
+
+
+def render(config_path: str | Path, overrides: list[str], run_dir: str | Path,
+           opts: SubmitOptions) -> str:
+    """The sbatch script for one run (config + overrides), as text."""
+    opts.validate()
+    q = shlex.quote
+    run_dir = Path(run_dir)
+    if not _PATH.match(str(run_dir)):
+        raise ConfigError("run_dir", f"{run_dir}: #SBATCH lines cannot quote a path; use "
+                          "letters, digits and _ . / - + only")
+    sb = [f"#SBATCH --job-name={opts.job_name}", f"#SBATCH --nodes={opts.nodes}",
+          f"#SBATCH --ntasks-per-node={opts.ntasks_per_node}",
+          f"#SBATCH --cpus-per-task={opts.cpus_per_task}", f"#SBATCH --time={opts.time}",
+          f"#SBATCH --output={run_dir}/slurm-%j.out",
+          # USR1 to the batch shell AND every job step (no B: prefix): the ranks checkpoint.
+          f"#SBATCH --signal=USR1@{opts.signal_seconds}", "#SBATCH --requeue",
+          "#SBATCH --open-mode=append"]
+    if opts.gpus_per_node:
+        gres = f"gpu:{opts.gpu_type}:{opts.gpus_per_node}" if opts.gpu_type \
+            else f"gpu:{opts.gpus_per_node}"
+        sb.append(f"#SBATCH --gres={gres}")
+    for name in ("partition", "account", "qos", "constraint", "mem"):
+        if getattr(opts, name):
+            sb.append(f"#SBATCH --{name}={getattr(opts, name)}")
+    if opts.exclusive:
+        sb.append("#SBATCH --exclusive")
+
+    overrides = list(overrides)
+    precision = PRECISION_FOR_GPU.get(opts.gpu_type.lower())
+    if precision and not any(o.startswith("deepspeed.precision=") for o in overrides):
+        overrides.append(f"deepspeed.precision={precision}")
+    train_args = " ".join(q(a) for a in ["--config", str(config_path), *overrides,
+                                         f"run_dir={run_dir}"])
+    launch = f"srun --kill-on-bad-exit=1 {q(opts.python)} -m train {train_args}"
+    lines = ["#!/bin/bash", "# Written by `memtrain submit`; plain sbatch runs it as it is.",
+             *sb, "", "set -euo pipefail",
+             *[_setup_line(s) for s in opts.setup],
+             "export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n1)",
+             "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+             f"RUN_DIR={q(str(run_dir))}",
+             f"MAX_REQUEUES={opts.max_requeues}", ""]
+    py = q(opts.python)
+    lines += [
+        f"{launch} &",
+        "SRUN_PID=$!",
+        "# SLURM's --signal reaches the ranks directly; `scancel --signal=USR1 --batch` and a",
+        "# preemption reach this shell, which passes them on (srun forwards them to the ranks).",
+        *[f"trap 'echo \"memtrain: {sig}, ranks checkpoint\"; "
+          f"kill -{sig} $SRUN_PID 2>/dev/null || true' {sig}" for sig in ("USR1", "TERM")],
+        "while kill -0 \"$SRUN_PID\" 2>/dev/null; do wait \"$SRUN_PID\" || true; done",
+        "",
+        f"STATE=$({py} -c 'import json, sys; print(json.load(open(sys.argv[1]))[\"state\"])' "
+        "\"$RUN_DIR/status.json\" 2>/dev/null || echo failed)",
+        "echo \"memtrain: run state $STATE after restart ${SLURM_RESTART_COUNT:-0}\"",
+        "if [ \"$STATE\" = interrupted ] && "
+        "[ \"${SLURM_RESTART_COUNT:-0}\" -lt \"$MAX_REQUEUES\" ]; then",
+        "    scontrol requeue \"$SLURM_JOB_ID\"",
+        "fi",
+        "[ \"$STATE\" = finished ] || [ \"$STATE\" = interrupted ]",
+        ""]
+    return "\n".join(lines)

@@ -1,0 +1,87 @@
+"""A real single-node SLURM cluster for the tests (Debian's slurm-wlm + munge).
+
+`start_cluster(dir)` writes slurm.conf under `dir` (CPUs and RealMemory from `slurmd -C`,
+proctrack/linuxproc, task/none, state and logs in `dir`), starts munged (if not running),
+slurmctld and slurmd, waits until the node is idle and returns the environment
+(SLURM_CONF) plus a stop function that kills the daemons by pid. Raises `SlurmUnavailable`
+with the reason when SLURM cannot be started here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+
+class SlurmUnavailable(RuntimeError):
+    pass
+
+
+def _run(cmd, env=None, timeout=30):
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def _munge() -> None:
+    if _run(["sh", "-c", "munge -n | unmunge"]).returncode == 0:
+        return
+    Path("/run/munge").mkdir(parents=True, exist_ok=True)
+    shutil.chown("/run/munge", "munge", "munge")
+    done = _run(["runuser", "-u", "munge", "--", "/usr/sbin/munged"])
+    for _ in range(50):
+        if _run(["sh", "-c", "munge -n | unmunge"]).returncode == 0:
+            return
+        time.sleep(0.1)
+    raise SlurmUnavailable(f"munged did not start: {done.stderr.strip()}")
+
+
+def start_cluster(d: Path):
+    for tool in ("slurmctld", "slurmd", "sbatch", "munged"):
+        if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
+            raise SlurmUnavailable(f"{tool} not installed (apt-get install slurm-wlm munge)")
+    if os.geteuid() != 0:
+        raise SlurmUnavailable("starting slurmd needs root")
+    d = Path(d).absolute()
+    for sub in ("state", "spool", "log"):
+        (d / sub).mkdir(parents=True, exist_ok=True)
+    probe = _run(["slurmd", "-C"]).stdout
+    cpus = int(re.search(r"CPUs=(\d+)", probe).group(1))
+    mem = int(re.search(r"RealMemory=(\d+)", probe).group(1)) - 512
+    conf = d / "slurm.conf"
+    conf.write_text("\n".join([
+        "ClusterName=memtrain-test", "SlurmctldHost=localhost", "SlurmUser=root",
+        "SlurmdUser=root", "AuthType=auth/munge", f"StateSaveLocation={d}/state",
+        f"SlurmdSpoolDir={d}/spool", f"SlurmctldPidFile={d}/slurmctld.pid",
+        f"SlurmdPidFile={d}/slurmd.pid", f"SlurmctldLogFile={d}/log/slurmctld.log",
+        f"SlurmdLogFile={d}/log/slurmd.log", "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
+        "AccountingStorageType=accounting_storage/none", "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_Core", "MpiDefault=none", "ReturnToService=2",
+        "MailProg=/bin/true", "JobRequeue=1", "KillWait=10",
+        f"NodeName=localhost CPUs={cpus} RealMemory={mem} State=UNKNOWN",
+        "PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP", ""]))
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    _munge()
+    for cmd in (["slurmctld", "-f", str(conf)], ["slurmd", "-f", str(conf), "-N", "localhost"]):
+        done = _run(cmd, env=env)
+        if done.returncode != 0:
+            raise SlurmUnavailable(f"{cmd[0]} failed: {done.stderr.strip()}")
+
+    def stop() -> None:
+        for name in ("slurmd.pid", "slurmctld.pid"):
+            try:
+                os.kill(int((d / name).read_text()), signal.SIGTERM)
+            except (OSError, ValueError):
+                pass
+
+    for _ in range(100):
+        state = _run(["sinfo", "-h", "-o", "%T"], env=env).stdout.strip()
+        if state == "idle":
+            return env, stop
+        time.sleep(0.2)
+    stop()
+    raise SlurmUnavailable(f"node not idle (state {state!r}); see {d}/log")

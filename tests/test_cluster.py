@@ -1,0 +1,163 @@
+"""`memtrain submit` and the sbatch script: golden V100/A100 scripts, validation and quoting
+against injection, and a real single-node SLURM: a 2-task CPU training job runs to the end,
+and one warned with USR1 mid-run checkpoints, requeues itself, resumes and ends with the
+losses of an uninterrupted run."""
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from slurm_cluster import SlurmUnavailable, start_cluster
+from train_helpers import BIN, ROOT, child_env, step_losses, tiny_config
+
+from cluster.sbatch import SubmitOptions, render
+from model import ConfigError
+
+GOLDEN = Path(__file__).parent / "golden"
+VENV_PY = "/opt/venvs/memtrain/bin/python"
+
+
+def test_v100_and_a100_scripts_match_their_golden_files():
+    v100 = render("configs/enwik8-xl-base.yaml", ["max_steps=1000"],
+                  "/scratch/runs/enwik8-xl-base",
+                  SubmitOptions(nodes=2, gpus_per_node=8, gpu_type="v100", time="2-00:00:00",
+                                partition="gpu", account="lm-team", qos="normal",
+                                cpus_per_task=6, mem="480G", exclusive=True,
+                                setup=["module load cuda/11.8",
+                                       "source /opt/venvs/memtrain/bin/activate"],
+                                python=VENV_PY, job_name="enwik8-xl-base"))
+    a100 = render("configs/wt103-rmt.yaml", [], "/scratch/runs/wt103-rmt",
+                  SubmitOptions(nodes=4, gpus_per_node=4, gpu_type="a100", time="24:00:00",
+                                partition="a100", constraint="a100&ib", cpus_per_task=16,
+                                setup=["module load cuda/12.1"], signal_seconds=600,
+                                max_requeues=20, python=VENV_PY, job_name="wt103-rmt"))
+    assert v100 == (GOLDEN / "v100.sbatch").read_text()
+    assert a100 == (GOLDEN / "a100.sbatch").read_text()
+    # What differs between the clusters: GPUs per node in --gres and the precision.
+    assert "#SBATCH --gres=gpu:v100:8" in v100 and "deepspeed.precision=fp16" in v100
+    assert "#SBATCH --gres=gpu:a100:4" in a100 and "deepspeed.precision=bf16" in a100
+    explicit = render("configs/wt103-rmt.yaml", ["deepspeed.precision=fp32"], "/r",
+                      SubmitOptions(gpu_type="a100"))
+    assert "deepspeed.precision=bf16" not in explicit  # the user's choice wins
+
+
+@pytest.mark.parametrize("field, value", [
+    ("partition", "debug; rm -rf ~"), ("partition", "gpu\n#SBATCH --uid=0"),
+    ("account", "$(reboot)"), ("qos", "a b"), ("time", "1:00; id"), ("mem", "64G`id`"),
+    ("constraint", "a100; id"), ("job_name", "x'y"), ("gpu_type", "a100:8,gpu"),
+])
+def test_values_that_would_reach_the_shell_unquoted_are_refused(field, value):
+    with pytest.raises(ConfigError) as err:
+        render("configs/quickstart.yaml", [], "/r", SubmitOptions(**{field: value}))
+    assert err.value.field == f"--{field.replace('_', '-')}"
+
+
+def test_setup_lines_and_overrides_cannot_inject_commands(tmp_path):
+    pwned = tmp_path / "pwned"
+    script = render("configs/quickstart.yaml", [f"name=x;touch {pwned}"], "/r",
+                    SubmitOptions(setup=[f"echo hi; touch {pwned}", f"echo $(touch {pwned})"]))
+    setup = [line for line in script.splitlines() if line.startswith("echo ")][:2]
+    assert len(setup) == 2
+    done = subprocess.run(["bash", "-c", "\n".join(setup)], capture_output=True, text=True)
+    assert done.returncode == 0 and not pwned.exists()
+    assert f"hi; touch {pwned}" in done.stdout           # printed, not run
+    assert f"'name=x;touch {pwned}'" in script            # one quoted argument
+    with pytest.raises(ConfigError):
+        render("configs/quickstart.yaml", [], "/r", SubmitOptions(setup=["a\nb"]))
+    with pytest.raises(ConfigError):
+        render("configs/quickstart.yaml", [], "/path with space", SubmitOptions())
+
+
+def test_dry_run_prints_the_script_and_a_bad_run_config_fails_before_sbatch(capsys):
+    from cluster.submit import main_submit
+    assert main_submit(["--config", "quickstart", "--gpus-per-node", "0", "--dry-run"]) == 0
+    assert capsys.readouterr().out.startswith("#!/bin/bash")
+    assert main_submit(["--config", "quickstart", "model.mem_len=-1", "--dry-run"]) == 2
+    assert "model.mem_len" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- real SLURM
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    try:
+        env, stop = start_cluster(tmp_path_factory.mktemp("slurm"))
+    except SlurmUnavailable as err:
+        if os.environ.get("MEMTRAIN_REQUIRE_SLURM") == "1":
+            pytest.fail(f"SLURM is required here (MEMTRAIN_REQUIRE_SLURM=1): {err}")
+        pytest.skip(f"SLURM cannot be started here: {err}")
+    yield env
+    stop()
+
+
+def _submit(env, cfg):
+    done = subprocess.run([str(BIN / "memtrain"), "submit", "--config", str(cfg),
+                           "--gpus-per-node", "0", "--tasks-per-node", "2",
+                           "--cpus-per-task", "1", "--time", "15"], cwd=ROOT,
+                          env=child_env(env), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()[2].rstrip(":")
+
+
+def _wait(env, job, timeout=600, on_pending=None):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], env=env,
+                               capture_output=True, text=True).stdout.strip()
+        if not state:
+            return
+        if on_pending and state.startswith("PENDING"):
+            on_pending(state)
+        time.sleep(0.5)
+    raise AssertionError(f"job {job} still {state!r} after {timeout} s")
+
+
+def _config(tmp_path, name):
+    return tiny_config(tmp_path, name, max_steps=30, deepspeed={"zero_stage": 2},
+                       model={"mechanism": "rmt", "mem_len": 4, "rmt": {"num_mem_tokens": 3}},
+                       bptt={"depth": 1}, eval={"max_segments": 4})
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("slurm_runs")
+    job = _submit(slurm, _config(tmp, "straight"))
+    _wait(slurm, job)
+    return tmp / "runs" / "straight", job
+
+
+@pytest.mark.slow
+def test_a_two_task_training_job_runs_to_the_end_under_srun(uninterrupted):
+    run_dir, job = uninterrupted
+    log = (run_dir / f"slurm-{job}.out").read_text()
+    assert "2 rank(s) via slurm" in log and "run state finished after restart 0" in log
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step00000030"
+    assert json.loads((run_dir / "tracking.json").read_text())["run_id"]
+    assert sorted(step_losses(run_dir)) == list(range(1, 31))
+
+
+@pytest.mark.slow
+def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_losses(
+        slurm, uninterrupted, tmp_path):
+    job = _submit(slurm, _config(tmp_path, "warned"))
+    run_dir = tmp_path / "runs" / "warned"
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+        assert time.time() < deadline, "the job never started training"
+        time.sleep(0.2)
+    # What SLURM sends before the time limit, here by hand, to the batch shell only.
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True)
+
+    def release(state):  # SLURM delays a requeued job (BeginTime); start it now
+        if "BeginTime" in state:
+            subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], env=slurm,
+                           capture_output=True)
+    _wait(slurm, job, on_pending=release)
+    log = (run_dir / f"slurm-{job}.out").read_text()
+    assert "run state interrupted after restart 0" in log
+    assert "resumed from" in log and "run state finished after restart 1" in log
+    assert step_losses(run_dir) == step_losses(uninterrupted[0])
