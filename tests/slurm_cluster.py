@@ -9,6 +9,7 @@ with the reason when SLURM cannot be started here.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -73,10 +74,8 @@ def start_cluster(d: Path):
 
     def stop() -> None:
         for name in ("slurmd.pid", "slurmctld.pid"):
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 os.kill(int((d / name).read_text()), signal.SIGTERM)
-            except (OSError, ValueError):
-                pass
 
     for _ in range(100):
         state = _run(["sinfo", "-h", "-o", "%T"], env=env).stdout.strip()
