@@ -62,7 +62,14 @@ def run_eval(cfg: RunConfig, checkpoint: str | None, track: bool = True) -> dict
             tag = f"eval_{proto.split}_m{proto.mem_len}_l{proto.tgt_len}"
             tracker.log_metrics({f"{tag}_loss": report["loss"]}, info.step)
             tracker.log_artifact(out_dir / name, "eval")
-            tracker.close("FINISHED")
+            # Leave the training run's status as training left it (e.g. KILLED when it was
+            # interrupted), not FINISHED because an evaluation finished.
+            try:
+                run_state = json.loads((cfg.resolved_run_dir / "status.json").read_text())
+            except (OSError, ValueError):
+                run_state = {}
+            tracker.close({"finished": "FINISHED", "interrupted": "KILLED"}.get(
+                run_state.get("state"), "FAILED" if run_state else "FINISHED"))
     if env.world_size > 1:
         torch.distributed.destroy_process_group()
     return report
