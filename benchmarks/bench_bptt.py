@@ -38,6 +38,7 @@ import sys
 import time
 
 import torch
+from common import status_kib, write_json
 
 from data_pipeline.streams import SegmentBatch
 from model import ModelConfig, build_model
@@ -123,14 +124,6 @@ class LMRunner:
 
 
 # ----------------------------------------------------------------------------- memory
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def memory_child(a) -> None:
     spec = json.loads(a._child)
     if spec["kind"] == "rmt":
@@ -138,11 +131,11 @@ def memory_child(a) -> None:
     else:
         runner = LMRunner(a, spec["mech"], spec["mem_len"], spec["ckpt"])
     runner.step()  # warm-up: first-call allocations are not the step's
-    before = _status_kib("VmRSS")
+    before = status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     cpu_s = runner.step()
-    print(json.dumps({"peak_mb": (_status_kib("VmHWM") - before) / 1024,
+    print(json.dumps({"peak_mb": (status_kib("VmHWM") - before) / 1024,
                       "base_rss_mb": before / 1024, "step_cpu_s": cpu_s}))
 
 
@@ -293,10 +286,7 @@ def main(argv=None) -> int:
         results["lm_memory"] = measure_lm_memory(a)
     results["wall_s"] = time.time() - t0
     print(f"done in {results['wall_s']:.0f} s")
-    if a.json:
-        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(a.json, results)
     return 0
 
 

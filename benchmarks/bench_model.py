@@ -21,6 +21,7 @@ import sys
 import time
 
 import torch
+from common import status_kib
 
 from model import ModelConfig, build_model
 
@@ -99,14 +100,6 @@ def measure_memory(args, mechanism: str, impl: str) -> float:
     return float(res.stdout.strip().splitlines()[-1])
 
 
-def _proc_status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def memory_child(args) -> None:
     """Peak RSS growth over a few steps. Not ru_maxrss: Linux carries that high-water mark
     across fork + exec, so a child of a large parent starts at the parent's peak. VmHWM
@@ -114,12 +107,12 @@ def memory_child(args) -> None:
     mechanism, impl = args._memory_child.split(",")
     runner = Runner(args, mechanism, impl)
     runner.step()  # first-call allocations (thread pools, caches) are not the step's
-    before = _proc_status_kib("VmRSS")
+    before = status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
     for _ in range(3):
         runner.step()
-    print((_proc_status_kib("VmHWM") - before) / 1024)
+    print((status_kib("VmHWM") - before) / 1024)
 
 
 def main(argv=None) -> int:

@@ -40,19 +40,12 @@ import sys
 import time
 
 import torch
+from common import status_kib, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 # ----------------------------------------------------------------------------- worker side
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(field)
-
-
 def union_bytes(tensors) -> int:
     """Bytes covered by the tensors, views of one buffer counted once."""
     spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
@@ -163,7 +156,7 @@ def worker(a) -> None:
         tiny, _ = build_engine(a, env, stage, "xl", 1, 32, 1, a.seg_len)
         Stepper(a, env, tiny, 1, 0).step()
         _free(tiny)
-        before = _status_kib("VmRSS")
+        before = status_kib("VmRSS")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
         engine, n_params = build_engine(a, env, stage, "xl", a.mem_layers, a.mem_d_model,
@@ -171,16 +164,16 @@ def worker(a) -> None:
         stepper = Stepper(a, env, engine, a.mem_batch, 0)
         grads = []
         stepper.step(on_backward=lambda: grads.append(grad_bytes(engine, stage)))
-        init_peak = _status_kib("VmHWM")
+        init_peak = status_kib("VmHWM")
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # the second step's own peak, init transients excluded
         stepper.step(on_backward=lambda: grads.append(grad_bytes(engine, stage)))
         out.append({"stage": stage, "rank": env.rank, "world": env.world_size,
                     "n_params": n_params, **state_bytes(engine, stage),
                     "grads": max(g[0] for g in grads), "ipg_buckets_allocated": grads[-1][1],
-                    "peak_rss_growth": (max(init_peak, _status_kib("VmHWM")) - before) * 1024,
-                    "step2_peak_rss_growth": (_status_kib("VmHWM") - before) * 1024,
-                    "end_rss_growth": (_status_kib("VmRSS") - before) * 1024})
+                    "peak_rss_growth": (max(init_peak, status_kib("VmHWM")) - before) * 1024,
+                    "step2_peak_rss_growth": (status_kib("VmHWM") - before) * 1024,
+                    "end_rss_growth": (status_kib("VmRSS") - before) * 1024})
     elif a.worker == "speed":
         for stage in a.stages:
             engine, n_params = build_engine(a, env, stage, "xl", a.n_layer, a.d_model,
@@ -367,10 +360,7 @@ def main(argv=None) -> int:
             results[part] = fn(a)
     results["wall_s"] = time.time() - t0
     print(f"done in {results['wall_s']:.0f} s")
-    if a.json:
-        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=2)
+    write_json(a.json, results)
     return 0
 
 

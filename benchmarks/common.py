@@ -1,0 +1,23 @@
+"""Helpers shared by the benchmark scripts (run as `python benchmarks/<script>.py`)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def status_kib(field: str) -> int:
+    """A field of /proc/self/status in KiB: VmRSS (now) or VmHWM (peak since reset).
+    Not ru_maxrss: Linux carries that high-water mark across fork + exec."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def write_json(path: str | None, results: dict) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
