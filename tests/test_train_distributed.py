@@ -85,3 +85,22 @@ def test_a_global_batch_the_world_size_does_not_divide_fails_with_exit_2(workdir
     done = run_train(cfg, nproc=2, check=False)
     assert done.returncode != 0
     assert "global batch 3 is not divisible by world size 2" in done.stderr
+
+
+def test_two_nodes_by_c10d_rendezvous_train_like_one_node_with_two_ranks(workdir):
+    """What a multi-node job does: one torchrun per node, ranks assigned by a c10d
+    rendezvous, nothing shared but the network (here 127.0.0.1) and the file system."""
+    cfg = tiny_config(workdir, "nodes", max_steps=6, deepspeed={"zero_stage": 2})
+    port = free_port()
+    cmd = [str(BIN / "torchrun"), "--nnodes", "2", "--nproc_per_node", "1",
+           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}",
+           "--rdzv_id", "memtrain-nodes", "-m", "train", "--config", str(cfg)]
+    nodes = [subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    outs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert sum("2 rank(s) via torchrun" in out for out in outs) == 1  # rank 0's node only
+    multi = step_losses(workdir / "runs" / "nodes")
+    ref = tiny_config(workdir, "one_node", max_steps=6, deepspeed={"zero_stage": 2})
+    run_train(ref, nproc=2)
+    assert multi == step_losses(workdir / "runs" / "one_node")
