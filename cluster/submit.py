@@ -19,6 +19,7 @@ from pathlib import Path
 from model import ConfigError
 from train.config import load_config
 
+from .jobs import record_job
 from .sbatch import SubmitOptions, render
 
 
@@ -78,5 +79,6 @@ def main_submit(argv: list[str] | None = None) -> int:
         print(f"memtrain submit: sbatch failed: {done.stderr.strip()}", file=sys.stderr)
         return 1
     job_id = done.stdout.strip().split(";")[0]
+    record_job(run_dir, job_id, path, opts.nodes)
     print(f"submitted job {job_id}: script {path}, log {run_dir}/slurm-{job_id}.out")
     return 0

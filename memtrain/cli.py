@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "eval": ("train.cli", "main_eval", "score a run's checkpoint under an evaluation protocol"),
     "export": ("train.cli", "main_export", "write a run's weights as one fp32 safetensors file"),
     "submit": ("cluster.submit", "main_submit", "render a run's sbatch script and submit it"),
+    "jobs": ("cluster.jobs", "main_jobs", "the project's SLURM jobs: state, nodes, step, run"),
     "smoke": ("train.smoke", "main", "train tiny XL / LaMemo / RMT briefly; memory vs baseline"),
     "prepare": ("data_pipeline.prepare", "main_prepare",
                 "tokenize a corpus into ordered webdataset shards + manifest"),

@@ -161,3 +161,27 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_losses(
     assert "run state interrupted after restart 0" in log
     assert "resumed from" in log and "run state finished after restart 1" in log
     assert step_losses(run_dir) == step_losses(uninterrupted[0])
+
+
+@pytest.mark.slow
+def test_memtrain_jobs_lists_ended_and_queued_jobs_with_their_runs(slurm, uninterrupted,
+                                                                   tmp_path):
+    run_dir, job = uninterrupted
+    held = _submit(slurm, _config(tmp_path, "held"))
+    subprocess.run(["scontrol", "hold", held], env=slurm, check=True, capture_output=True)
+    try:
+        rows = {}
+        for root in (run_dir.parent, tmp_path / "runs"):
+            done = subprocess.run([str(BIN / "memtrain"), "jobs", "--runs-root", str(root),
+                                   "--json"], env=child_env(slurm), capture_output=True,
+                                  text=True, timeout=60)
+            assert done.returncode == 0, done.stderr
+            rows.update({r["job_id"]: r for r in map(json.loads, done.stdout.splitlines())})
+        ended = rows[job]
+        assert ended["state"] == "ended (finished)" and ended["last_step"] == 30
+        assert ended["mlflow_run_id"] == json.loads(
+            (run_dir / "tracking.json").read_text())["run_id"]
+        assert rows[held]["state"] == "PENDING" and rows[held]["nodes"] == 1
+        assert rows[held]["run"] == "held" and rows[held]["last_step"] is None
+    finally:
+        subprocess.run(["scancel", held], env=slurm, capture_output=True)
