@@ -101,8 +101,9 @@ def _setup_line(line: str) -> str:
 
 
 def render(config_path: str | Path, overrides: list[str], run_dir: str | Path,
-           opts: SubmitOptions) -> str:
-    """The sbatch script for one run (config + overrides), as text."""
+           opts: SubmitOptions, sweep: list[tuple[Path, list[str]]] | None = None) -> str:
+    """The sbatch script for one run (config + overrides), as text. With `sweep`, a job
+    array: element i runs with its own run directory and extra overrides, sweep[i]."""
     opts.validate()
     q = shlex.quote
     run_dir = Path(run_dir)
@@ -113,7 +114,7 @@ def render(config_path: str | Path, overrides: list[str], run_dir: str | Path,
           f"#SBATCH --ntasks-per-node={opts.ntasks_per_node}",
           f"#SBATCH --cpus-per-task={opts.cpus_per_task}", f"#SBATCH --time={opts.time}",
           f"#SBATCH --output={run_dir}/slurm-%j.out",
-          # USR1 to the batch shell AND every job step (no B: prefix): the ranks checkpoint.
+          # USR1 to every job step, i.e. the ranks (no B: prefix): they checkpoint.
           f"#SBATCH --signal=USR1@{opts.signal_seconds}", "#SBATCH --requeue",
           "#SBATCH --open-mode=append"]
     if opts.gpus_per_node:
@@ -125,20 +126,36 @@ def render(config_path: str | Path, overrides: list[str], run_dir: str | Path,
             sb.append(f"#SBATCH --{name}={getattr(opts, name)}")
     if opts.exclusive:
         sb.append("#SBATCH --exclusive")
+    if sweep:
+        sb[5] = f"#SBATCH --output={run_dir}/slurm-%A_%a.out"
+        sb.append(f"#SBATCH --array=0-{len(sweep) - 1}")
 
     overrides = list(overrides)
     precision = PRECISION_FOR_GPU.get(opts.gpu_type.lower())
     if precision and not any(o.startswith("deepspeed.precision=") for o in overrides):
         overrides.append(f"deepspeed.precision={precision}")
-    train_args = " ".join(q(a) for a in ["--config", str(config_path), *overrides,
-                                         f"run_dir={run_dir}"])
+    if sweep:
+        # Each element: its own run directory (its own checkpoints, requeue and resume).
+        cases = ["case \"$SLURM_ARRAY_TASK_ID\" in"]
+        for i, (element_dir, extra) in enumerate(sweep):
+            if not _PATH.match(str(element_dir)):
+                raise ConfigError("run_dir", f"{element_dir}: use letters, digits, _ . / - +")
+            args = " ".join(q(a) for a in [*extra, f"run_dir={element_dir}"])
+            cases.append(f"    {i}) RUN_DIR={q(str(element_dir))}; ELEMENT=({args}) ;;")
+        cases += ["esac", ""]
+        train_args = " ".join(q(a) for a in ["--config", str(config_path), *overrides])
+        train_args += ' "${ELEMENT[@]}"'
+    else:
+        cases = [f"RUN_DIR={q(str(run_dir))}"]
+        train_args = " ".join(q(a) for a in ["--config", str(config_path), *overrides,
+                                             f"run_dir={run_dir}"])
     launch = f"srun --kill-on-bad-exit=1 {q(opts.python)} -m train {train_args}"
     lines = ["#!/bin/bash", "# Written by `memtrain submit`; plain sbatch runs it as it is.",
              *sb, "", "set -euo pipefail",
              *[_setup_line(s) for s in opts.setup],
              "export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n1)",
              "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
-             f"RUN_DIR={q(str(run_dir))}",
+             *cases,
              f"MAX_REQUEUES={opts.max_requeues}", ""]
     py = q(opts.python)
     lines += [

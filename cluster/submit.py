@@ -11,6 +11,9 @@ the script is written to <run_dir>/submit-<time>.sbatch and stays usable with pl
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
+import os
 import subprocess
 import sys
 import time
@@ -46,8 +49,36 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-requeues", type=int, default=d.max_requeues)
     p.add_argument("--job-name", default="")
     p.add_argument("--python", default=sys.executable, help="python on the nodes")
+    p.add_argument("--sweep", action="append", default=[], metavar="FIELD=V1,V2,...",
+                   help="a grid axis (repeat for more axes): one job array element per "
+                        "combination, each its own run and MLflow run in one experiment")
     p.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
     return p
+
+
+def _sweep(args, name: str, run_dir: Path) -> list[tuple[Path, list[str]]] | None:
+    """The grid of --sweep axes: per element its run directory and overrides. Every element
+    is validated here, so a bad value fails before sbatch. Elements share one MLflow
+    experiment (the base name) and, unless a tracking URI is set, one sqlite store in the
+    base run directory (use a tracking server when elements run concurrently on a cluster)."""
+    if not args.sweep:
+        return None
+    axes = []
+    for axis in args.sweep:
+        key, sep, values = axis.partition("=")
+        if not sep or not key or not values:
+            raise ConfigError("--sweep", f"{axis!r}: write FIELD=V1,V2,...")
+        axes.append([f"{key}={v}" for v in values.split(",")])
+    shared = [f"tracking.experiment={name}"]
+    if not os.environ.get("MLFLOW_TRACKING_URI") and \
+            not any(o.startswith("tracking.uri=") for o in args.overrides):
+        shared.append(f"tracking.uri=sqlite:///{run_dir}/mlflow.db")
+    elements = []
+    for i, combo in enumerate(itertools.product(*axes)):
+        element = [*combo, f"name={name}-{i:02d}", *shared]
+        load_config(args.config, [*args.overrides, *element])  # fail here, not on the nodes
+        elements.append((run_dir.parent / f"{name}-{i:02d}", element))
+    return elements
 
 
 def main_submit(argv: list[str] | None = None) -> int:
@@ -64,7 +95,8 @@ def main_submit(argv: list[str] | None = None) -> int:
             job_name=args.job_name or cfg.name, python=args.python)
         config_path = Path(args.config)
         config_path = config_path.absolute() if config_path.is_file() else args.config
-        script = render(config_path, args.overrides, run_dir, opts)
+        sweep = _sweep(args, cfg.name, run_dir)
+        script = render(config_path, args.overrides, run_dir, opts, sweep)
     except ConfigError as err:
         print(f"memtrain submit: {err}", file=sys.stderr)
         return 2
@@ -72,6 +104,9 @@ def main_submit(argv: list[str] | None = None) -> int:
         print(script, end="")
         return 0
     run_dir.mkdir(parents=True, exist_ok=True)
+    if sweep:
+        (run_dir / "sweep.json").write_text(json.dumps(
+            [{"run_dir": str(d), "overrides": o} for d, o in sweep], indent=1))
     path = run_dir / f"submit-{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
     path.write_text(script)
     done = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)

@@ -185,3 +185,28 @@ def test_memtrain_jobs_lists_ended_and_queued_jobs_with_their_runs(slurm, uninte
         assert rows[held]["run"] == "held" and rows[held]["last_step"] is None
     finally:
         subprocess.run(["scancel", held], env=slurm, capture_output=True)
+
+
+@pytest.mark.slow
+def test_a_sweep_is_one_job_array_with_one_mlflow_run_per_element(slurm, tmp_path):
+    from mlflow import MlflowClient
+
+    cfg = tiny_config(tmp_path, "grid", max_steps=4, eval={"max_segments": 2})
+    done = subprocess.run([str(BIN / "memtrain"), "submit", "--config", str(cfg),
+                           "--gpus-per-node", "0", "--tasks-per-node", "2",
+                           "--cpus-per-task", "1", "--time", "15",
+                           "--sweep", "model.mem_len=0,8"], cwd=ROOT,
+                          env=child_env(slurm), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    job = done.stdout.split()[2].rstrip(":")
+    script = next((tmp_path / "runs" / "grid").glob("submit-*.sbatch")).read_text()
+    assert "#SBATCH --array=0-1" in script
+    _wait(slurm, job)
+    for i in (0, 1):
+        status = json.loads((tmp_path / "runs" / f"grid-{i:02d}" / "status.json").read_text())
+        assert status == {"state": "finished", "step": 4}
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs' / 'grid'}/mlflow.db")
+    exp = client.get_experiment_by_name("grid")
+    runs = client.search_runs([exp.experiment_id])
+    assert sorted(r.data.params["model.mem_len"] for r in runs) == ["0", "8"]
+    assert sorted(r.info.run_name for r in runs) == ["grid-00", "grid-01"]
