@@ -38,7 +38,7 @@ import sys
 import time
 
 import torch
-from common import status_kib, write_json
+from common import status_kib, timed_step, write_json
 
 from data_pipeline.streams import SegmentBatch
 from model import ModelConfig, build_model
@@ -113,13 +113,8 @@ class LMRunner:
                 self.state = self.model(self.data[:, :a.seg_len], self.state).state
 
     def step(self) -> float:
-        seg = self.data[:, :self.a.seg_len + 1]
-        start = time.process_time()
-        out = self.model(seg[:, :-1], self.state, targets=seg[:, 1:])
-        out.loss.backward()
-        elapsed = time.process_time() - start
-        self.model.zero_grad(set_to_none=True)
-        self.state = out.state.detach()
+        elapsed, self.state = timed_step(self.model, self.data[:, :self.a.seg_len + 1],
+                                         self.state)
         return elapsed
 
 

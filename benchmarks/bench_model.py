@@ -18,10 +18,9 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
-from common import status_kib
+from common import status_kib, timed_step
 
 from model import ModelConfig, build_model
 
@@ -54,14 +53,7 @@ class Runner:
             self.pos, self.state = 0, None
         seg = self.data[:, self.pos:self.pos + a.seg_len + 1]
         self.pos += a.seg_len
-        # CPU time of this process (all threads), not wall time: on a shared VM, time the
-        # hypervisor steals from us is not charged to the process, so this is far steadier.
-        start = time.process_time()
-        out = self.model(seg[:, :-1], self.state, targets=seg[:, 1:])
-        out.loss.backward()
-        elapsed = time.process_time() - start
-        self.model.zero_grad(set_to_none=True)
-        self.state = out.state.detach()
+        elapsed, self.state = timed_step(self.model, seg, self.state)
         return elapsed
 
 
