@@ -4,7 +4,9 @@ The script is plain bash that `sbatch` takes as it is (no pickles, no hidden sta
 
     #SBATCH lines          resources, from validated options only
     setup lines            e.g. `module load cuda/12.1`, each re-quoted word by word
-    launch                 srun, one task per GPU (ranks from SLURM's variables)
+    launch                 `srun`: one task per GPU (ranks from SLURM's variables), or
+                           `deepspeed`: DeepSpeed's launcher with its slurm backend, given a
+                           hostfile written from `scontrol show hostnames` (no ssh needed)
     requeue on stop        SLURM's warning signal (--signal=USR1@<s>) or a preemption SIGTERM
                            makes every rank checkpoint and exit; the script then requeues the
                            job (at most --max-requeues times) unless the run finished.
@@ -22,8 +24,10 @@ from pathlib import Path
 
 from model import ConfigError
 
-# The deepspeed-launcher mode (issue 5) is not built yet: srun only.
-LAUNCHERS = ("srun",)
+LAUNCHERS = ("srun", "deepspeed")
+# The rank entry point as a file: DeepSpeed's slurm backend runs `python -u <script>` and
+# ignores --module (deepspeed/launcher/multinode_runner.py, SlurmRunner.get_cmd).
+TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "train" / "__main__.py"
 # Precision a GPU generation wants when the run config does not choose: V100s have no bf16,
 # so fp16 with dynamic loss scaling; A100/H100 train in bf16.
 PRECISION_FOR_GPU = {"v100": "fp16", "a100": "bf16", "h100": "bf16"}
@@ -149,7 +153,14 @@ def render(config_path: str | Path, overrides: list[str], run_dir: str | Path,
         cases = [f"RUN_DIR={q(str(run_dir))}"]
         train_args = " ".join(q(a) for a in ["--config", str(config_path), *overrides,
                                              f"run_dir={run_dir}"])
-    launch = f"srun --kill-on-bad-exit=1 {q(opts.python)} -m train {train_args}"
+    if opts.launcher == "srun":
+        launch = [f"srun --kill-on-bad-exit=1 {q(opts.python)} -m train {train_args}"]
+        # srun passes the signals it gets on to every rank.
+        forward = "kill -{sig} $LAUNCH_PID"
+    else:
+        launch = _deepspeed_launch(opts, train_args)
+        # The launcher process does not forward signals: send them to its child, the srun.
+        forward = "pkill -{sig} -P $LAUNCH_PID"
     lines = ["#!/bin/bash", "# Written by `memtrain submit`; plain sbatch runs it as it is.",
              *sb, "", "set -euo pipefail",
              *[_setup_line(s) for s in opts.setup],
@@ -159,13 +170,13 @@ def render(config_path: str | Path, overrides: list[str], run_dir: str | Path,
              f"MAX_REQUEUES={opts.max_requeues}", ""]
     py = q(opts.python)
     lines += [
-        f"{launch} &",
-        "SRUN_PID=$!",
+        *launch[:-1], f"{launch[-1]} &",
+        "LAUNCH_PID=$!",
         "# SLURM's --signal reaches the ranks directly; `scancel --signal=USR1 --batch` and a",
-        "# preemption reach this shell, which passes them on (srun forwards them to the ranks).",
+        "# preemption reach this shell, which passes them on to the ranks.",
         *[f"trap 'echo \"memtrain: {sig}, ranks checkpoint\"; "
-          f"kill -{sig} $SRUN_PID 2>/dev/null || true' {sig}" for sig in ("USR1", "TERM")],
-        "while kill -0 \"$SRUN_PID\" 2>/dev/null; do wait \"$SRUN_PID\" || true; done",
+          f"{forward.format(sig=sig)} 2>/dev/null || true' {sig}" for sig in ("USR1", "TERM")],
+        "while kill -0 \"$LAUNCH_PID\" 2>/dev/null; do wait \"$LAUNCH_PID\" || true; done",
         "",
         f"STATE=$({py} -c 'import json, sys; print(json.load(open(sys.argv[1]))[\"state\"])' "
         "\"$RUN_DIR/status.json\" 2>/dev/null || echo failed)",
@@ -177,3 +188,22 @@ def render(config_path: str | Path, overrides: list[str], run_dir: str | Path,
         "[ \"$STATE\" = finished ] || [ \"$STATE\" = interrupted ]",
         ""]
     return "\n".join(lines)
+
+
+def _deepspeed_launch(opts: SubmitOptions, train_args: str) -> list[str]:
+    """DeepSpeed's launcher inside the allocation: its slurm backend turns the hostfile into
+    one `srun -n <nodes x slots>` (deepspeed/launcher/multinode_runner.py, SlurmRunner), so
+    no ssh or pdsh is needed. `--force_multi` keeps that path on a single node (else the
+    launcher starts local processes itself); `--no_ssh_check` because nodes need not allow ssh.
+    The ranks read SLURM's variables and MASTER_ADDR/PORT as under srun."""
+    q = shlex.quote
+    options = ["--launcher=slurm", "--force_multi", "--no_ssh_check",
+               f"--num_nodes={opts.nodes}", "--launcher_args=--kill-on-bad-exit=1"]
+    if opts.gpus_per_node:
+        options.append(f"--num_gpus={opts.gpus_per_node}")
+    return ["HOSTFILE=\"$RUN_DIR/hostfile-$SLURM_JOB_ID\"",
+            "scontrol show hostnames \"$SLURM_JOB_NODELIST\" | "
+            f"sed 's/$/ slots={opts.ntasks_per_node}/' > \"$HOSTFILE\"",
+            f"{q(opts.python)} -m deepspeed.launcher.runner --hostfile \"$HOSTFILE\" "
+            "--master_addr \"$MASTER_ADDR\" --master_port \"$MASTER_PORT\" "
+            f"{' '.join(q(o) for o in options)} {q(str(TRAIN_SCRIPT))} {train_args}"]

@@ -3,6 +3,8 @@
     memtrain submit --config configs/enwik8-xl-base.yaml --nodes 4 --gpus-per-node 8 \\
         --gpu-type a100 --time 2-00:00:00 --partition gpu --setup "module load cuda/12.1"
     memtrain submit --config quickstart --gpus-per-node 0 --tasks-per-node 2 --dry-run
+    memtrain submit --config quickstart --launcher deepspeed --gpus-per-node 0 \
+        --tasks-per-node 2 --dry-run
 
 The run config is loaded and validated first (a bad field fails here, not on the cluster);
 the script is written to <run_dir>/submit-<time>.sbatch and stays usable with plain sbatch.
@@ -23,7 +25,7 @@ from model import ConfigError
 from train.config import load_config
 
 from .jobs import record_job
-from .sbatch import SubmitOptions, render
+from .sbatch import LAUNCHERS, SubmitOptions, render
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-type", default=d.gpu_type, help="e.g. v100, a100 (in --gres)")
     p.add_argument("--tasks-per-node", type=int, default=d.tasks_per_node,
                    help="ranks per node (default: one per GPU)")
+    p.add_argument("--launcher", choices=LAUNCHERS, default=d.launcher,
+                   help="srun: one task per GPU; deepspeed: DeepSpeed's launcher with its "
+                        "slurm backend and a hostfile from the node list")
     p.add_argument("--time", default=d.time)
     for name in ("partition", "account", "qos", "constraint", "mem"):
         p.add_argument(f"--{name}", default="")
@@ -92,7 +97,8 @@ def main_submit(argv: list[str] | None = None) -> int:
             account=args.account, qos=args.qos, constraint=args.constraint, mem=args.mem,
             cpus_per_task=args.cpus_per_task, exclusive=args.exclusive, setup=args.setup,
             signal_seconds=args.signal_seconds, max_requeues=args.max_requeues,
-            job_name=args.job_name or cfg.name, python=args.python)
+            job_name=args.job_name or cfg.name, python=args.python,
+            launcher=args.launcher)
         config_path = Path(args.config)
         config_path = config_path.absolute() if config_path.is_file() else args.config
         sweep = _sweep(args, cfg.name, run_dir)

@@ -13,7 +13,7 @@ import pytest
 from slurm_cluster import SlurmUnavailable, start_cluster
 from train_helpers import BIN, ROOT, child_env, step_losses, tiny_config
 
-from cluster.sbatch import SubmitOptions, render
+from cluster.sbatch import TRAIN_SCRIPT, SubmitOptions, render
 from model import ConfigError
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -33,7 +33,12 @@ def test_v100_and_a100_scripts_match_their_golden_files():
                   SubmitOptions(nodes=4, gpus_per_node=4, gpu_type="a100", time="24:00:00",
                                 partition="a100", constraint="a100&ib", cpus_per_task=16,
                                 setup=["module load cuda/12.1"], signal_seconds=600,
-                                max_requeues=20, python=VENV_PY, job_name="wt103-rmt"))
+                                max_requeues=20, python=VENV_PY, job_name="wt103-rmt",
+                                launcher="deepspeed"))
+    a100 = a100.replace(str(TRAIN_SCRIPT), "/checkout/train/__main__.py")
+    if os.environ.get("MEMTRAIN_WRITE_GOLDEN") == "1":  # after a deliberate change
+        (GOLDEN / "v100.sbatch").write_text(v100)
+        (GOLDEN / "a100.sbatch").write_text(a100)
     assert v100 == (GOLDEN / "v100.sbatch").read_text()
     assert a100 == (GOLDEN / "a100.sbatch").read_text()
     # What differs between the clusters: GPUs per node in --gres and the precision.
@@ -92,10 +97,10 @@ def slurm(tmp_path_factory):
     stop()
 
 
-def _submit(env, cfg):
+def _submit(env, cfg, *extra):
     done = subprocess.run([str(BIN / "memtrain"), "submit", "--config", str(cfg),
                            "--gpus-per-node", "0", "--tasks-per-node", "2",
-                           "--cpus-per-task", "1", "--time", "15"], cwd=ROOT,
+                           "--cpus-per-task", "1", "--time", "15", *extra], cwd=ROOT,
                           env=child_env(env), capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return done.stdout.split()[2].rstrip(":")
@@ -140,9 +145,10 @@ def test_a_two_task_training_job_runs_to_the_end_under_srun(uninterrupted):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["srun", "deepspeed"])
 def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_losses(
-        slurm, uninterrupted, tmp_path):
-    job = _submit(slurm, _config(tmp_path, "warned"))
+        slurm, uninterrupted, tmp_path, launcher):
+    job = _submit(slurm, _config(tmp_path, "warned"), "--launcher", launcher)
     run_dir = tmp_path / "runs" / "warned"
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 300
@@ -160,6 +166,10 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_losses(
     log = (run_dir / f"slurm-{job}.out").read_text()
     assert "run state interrupted after restart 0" in log
     assert "resumed from" in log and "run state finished after restart 1" in log
+    assert log.count("2 rank(s) via slurm") == 2  # both starts: ranks from SLURM's variables
+    if launcher == "deepspeed":  # DeepSpeed's slurm backend made the job step, from the hostfile
+        assert "cmd = srun -n 2" in log
+        assert (run_dir / f"hostfile-{job}").read_text().split() == ["localhost", "slots=2"]
     assert step_losses(run_dir) == step_losses(uninterrupted[0])
 
 
