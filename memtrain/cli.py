@@ -13,6 +13,10 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("train.cli", "main_train", "train a model (DeepSpeed; resumes a run directory)"),
     "eval": ("train.cli", "main_eval", "score a run's checkpoint under an evaluation protocol"),
+    "recl": ("train.recl_cli", "main_recl",
+             "relative effective context length of a group of runs (XL App. C)"),
+    "generate": ("train.generate_cli", "main_generate",
+                 "sample text from a checkpoint, memory carried across segments"),
     "export": ("train.cli", "main_export", "write a run's weights as one fp32 safetensors file"),
     "submit": ("cluster.submit", "main_submit", "render a run's sbatch script and submit it"),
     "jobs": ("cluster.jobs", "main_jobs", "the project's SLURM jobs: state, nodes, step, run"),

@@ -65,6 +65,15 @@ def main_eval(argv: list[str] | None = None) -> int:
                    help="e.g. eval.split=test eval.mem_len=2100 eval.tgt_len=80")
     p.add_argument("--checkpoint", help="checkpoint folder name (default: latest)")
     p.add_argument("--no-track", action="store_true", help="do not log to the run's MLflow run")
+    sweep = p.add_argument_group("memory-length sweep (LaMemo's extrapolation figure)")
+    sweep.add_argument("--sweep", action="store_true",
+                       help="score over evaluation memory lengths instead of once")
+    sweep.add_argument("--multiples", type=_int_list, metavar="1,2,...",
+                       help="mem_len = m x tgt_len for each m (default 1..10)")
+    sweep.add_argument("--mem-lens", type=_int_list, metavar="64,128,...",
+                       help="explicit memory lengths instead of multiples")
+    sweep.add_argument("--tgt-lens", type=_int_list, metavar="32,64",
+                       help="segment lengths (default: the eval protocol's)")
     args = p.parse_args(argv)
     try:
         cfg = _run_config(args.run_dir, args.overrides)
@@ -73,11 +82,28 @@ def main_eval(argv: list[str] | None = None) -> int:
         return 2
     from .evaluation_cli import run_eval
     try:
-        report = run_eval(cfg, args.checkpoint, track=not args.no_track)
+        points = None
+        if args.sweep:
+            from .memory_sweep import sweep_grid
+            points = sweep_grid(args.tgt_lens or [cfg.eval.tgt_len or cfg.model.tgt_len],
+                                args.mem_lens, args.multiples)
+        elif args.multiples or args.mem_lens or args.tgt_lens:
+            print("memtrain eval: --multiples/--mem-lens/--tgt-lens need --sweep",
+                  file=sys.stderr)
+            return 2
+        report = run_eval(cfg, args.checkpoint, track=not args.no_track, sweep_points=points)
     except (FileNotFoundError, ValueError) as err:  # no such checkpoint; weights vs config
         print(f"memtrain eval: {err}", file=sys.stderr)
         return 1
     return 0 if report else 1
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
+                                          "integers") from None
 
 
 def main_export(argv: list[str] | None = None) -> int:

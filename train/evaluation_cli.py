@@ -30,7 +30,37 @@ def pick_checkpoint(cfg: RunConfig, name: str | None) -> CheckpointInfo | None:
     return info
 
 
-def run_eval(cfg: RunConfig, checkpoint: str | None, track: bool = True) -> dict | None:
+def log_to_run(cfg: RunConfig, step: int, metrics: dict[str, float] | None = None,
+               artifacts: list[tuple] = (), metric_steps: list[tuple[str, float, int]] = ()
+               ) -> None:
+    """Add evaluation results to the training run's MLflow run (same run dir, same run id).
+
+    metrics are logged at `step`; metric_steps are (key, value, step) triples for curves
+    whose x axis is not the training step (e.g. a memory-length sweep). artifacts are
+    (path, artifact_dir) pairs. The run's status stays what training left (e.g. KILLED when
+    it was interrupted), not FINISHED because an evaluation finished."""
+    from .tracking import Tracker
+
+    tracker = Tracker(cfg.resolved_run_dir, experiment=cfg.tracking.experiment,
+                      run_name=cfg.name, tracking_uri=cfg.tracking.uri or None)
+    if metrics:
+        tracker.log_metrics(metrics, step)
+    for key, value, at in metric_steps:
+        tracker.log_metrics({key: value}, at, local=False)
+    for path, artifact_dir in artifacts:
+        tracker.log_artifact(path, artifact_dir)
+    try:
+        run_state = json.loads((cfg.resolved_run_dir / "status.json").read_text())
+    except (OSError, ValueError):
+        run_state = {}
+    tracker.close({"finished": "FINISHED", "interrupted": "KILLED"}.get(
+        run_state.get("state"), "FAILED" if run_state else "FINISHED"))
+
+
+def run_eval(cfg: RunConfig, checkpoint: str | None, track: bool = True,
+             sweep_points: list[tuple[int, int]] | None = None) -> dict | None:
+    """Score the checkpoint under the run's eval protocol, or, with `sweep_points`
+    ((tgt_len, mem_len) pairs), over a memory-length sweep (train/memory_sweep.py)."""
     from data_pipeline.shards import load_manifest
 
     env = resolve_env()
@@ -45,6 +75,16 @@ def run_eval(cfg: RunConfig, checkpoint: str | None, track: bool = True) -> dict
         return None
     model = load_weights(info, cfg.model).to(device)
     manifest = load_manifest(cfg.data.path)
+    try:
+        if sweep_points:
+            return _sweep(cfg, model, manifest, sweep_points, info, env, device, track)
+        return _single(cfg, model, manifest, info, env, device, track)
+    finally:
+        if env.world_size > 1:
+            torch.distributed.destroy_process_group()
+
+
+def _single(cfg, model, manifest, info, env, device, track) -> dict:
     proto = protocol_for(cfg)
     report = evaluate(model, model, manifest, proto, env.rank, env.world_size, device,
                       url_template=cfg.data.url_template, seed=cfg.data.seed)
@@ -56,20 +96,19 @@ def run_eval(cfg: RunConfig, checkpoint: str | None, track: bool = True) -> dict
         name = f"eval_{info.tag}_{proto.split}_{time.strftime('%Y%m%d-%H%M%S')}.json"
         (out_dir / name).write_text(json.dumps(report, indent=1))
         if track and cfg.tracking.enabled:
-            from .tracking import Tracker
-            tracker = Tracker(cfg.resolved_run_dir, experiment=cfg.tracking.experiment,
-                              run_name=cfg.name, tracking_uri=cfg.tracking.uri or None)
             tag = f"eval_{proto.split}_m{proto.mem_len}_l{proto.tgt_len}"
-            tracker.log_metrics({f"{tag}_loss": report["loss"]}, info.step)
-            tracker.log_artifact(out_dir / name, "eval")
-            # Leave the training run's status as training left it (e.g. KILLED when it was
-            # interrupted), not FINISHED because an evaluation finished.
-            try:
-                run_state = json.loads((cfg.resolved_run_dir / "status.json").read_text())
-            except (OSError, ValueError):
-                run_state = {}
-            tracker.close({"finished": "FINISHED", "interrupted": "KILLED"}.get(
-                run_state.get("state"), "FAILED" if run_state else "FINISHED"))
-    if env.world_size > 1:
-        torch.distributed.destroy_process_group()
+            log_to_run(cfg, info.step, {f"{tag}_loss": report["loss"]},
+                       [(out_dir / name, "eval")])
     return report
+
+
+def _sweep(cfg, model, manifest, points, info, env, device, track) -> dict:
+    from .memory_sweep import format_table, run_sweep, save_and_log
+
+    sweep = run_sweep(cfg, model, manifest, points, device, env.rank, env.world_size)
+    sweep.update(checkpoint=info.path.name, step=info.step)
+    if env.is_main:
+        print(format_table(sweep), flush=True)
+        path = save_and_log(cfg, sweep, info.step, info.tag, track)
+        print(f"sweep written to {path} (and its .png)", flush=True)
+    return sweep

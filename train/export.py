@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from model import ModelConfig, build_model, save_model
+from model import ConfigError, ModelConfig, build_model, save_model
 
 from .checkpoint import CheckpointInfo
 
@@ -25,18 +25,60 @@ def fp32_state_dict(info: CheckpointInfo) -> dict[str, torch.Tensor]:
     return get_fp32_state_dict_from_zero_checkpoint(str(info.path.parent), tag=info.tag)
 
 
+# Model fields that only change how the weights are run (evaluation lengths, speed knobs,
+# regularisation): a checkpoint may be loaded under other values. All others shape the model.
+RUNTIME_FIELDS = ("tgt_len", "mem_len", "clamp_len", "same_length", "dropout", "dropatt",
+                  "attn_impl", "checkpoint_layers")
+
+
+def _differences(saved: dict, wanted: dict, prefix: str = "model") -> list[tuple]:
+    """(field, checkpoint value, config value) for every shape-relevant field that differs."""
+    out = []
+    for key in sorted(set(saved) | set(wanted)):
+        a, b = saved.get(key, "<absent>"), wanted.get(key, "<absent>")
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}.{key}")
+        elif a != b and key not in RUNTIME_FIELDS:
+            out.append((f"{prefix}.{key}", a, b))
+    return out
+
+
+def check_model_config(info: CheckpointInfo, model_cfg: ModelConfig) -> None:
+    """Fail, naming the field, when the checkpoint was trained as another model than
+    `model_cfg` describes, or with a config this code no longer understands."""
+    saved = info.meta.get("model")
+    if saved is None:  # checkpoints written before the config was recorded
+        return
+    try:
+        ModelConfig.from_dict(saved)
+    except ConfigError as err:
+        raise ConfigError(err.field, f"the checkpoint {info.path} was written with a model "
+                          f"config this code does not accept: {err}") from None
+    diffs = _differences(saved, model_cfg.to_dict())
+    if diffs:
+        field, a, b = diffs[0]
+        more = "".join(f"; {f}: {x!r} vs {y!r}" for f, x, y in diffs[1:])
+        raise ConfigError(field, f"the checkpoint {info.path} was trained with {a!r}, the "
+                          f"config says {b!r}{more}")
+
+
 def load_weights(info: CheckpointInfo, model_cfg: ModelConfig):
     """A plain (no DeepSpeed) MemoryLM with the checkpoint's weights."""
+    check_model_config(info, model_cfg)
     model = build_model(model_cfg)
     state = fp32_state_dict(info)
-    missing, unexpected = model.load_state_dict(state, strict=False)
     # Tied weights may be stored under one name only; anything else missing is an error.
     tied = {n for n, p in model.named_parameters(remove_duplicate=False)} - \
         {n for n, p in model.named_parameters()}
-    missing = [m for m in missing if m not in tied]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint {info.path} does not match the model config: missing "
-                         f"{missing[:5]}, unexpected {unexpected[:5]}")
+    own = model.state_dict()
+    missing = [n for n in own if n not in state and n not in tied]
+    unexpected = [n for n in state if n not in own]
+    shapes = [f"{n}: checkpoint {tuple(state[n].shape)}, model {tuple(own[n].shape)}"
+              for n in own if n in state and state[n].shape != own[n].shape]
+    if missing or unexpected or shapes:
+        raise ValueError(f"checkpoint {info.path} does not match the model code: missing "
+                         f"{missing[:5]}, unexpected {unexpected[:5]}, shapes {shapes[:5]}")
+    model.load_state_dict(state, strict=False)
     return model
 
 

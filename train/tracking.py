@@ -276,7 +276,9 @@ class Tracker:
             self._mlflow("log_batch", self.run_id, **{kind: items[i:i + size]})
 
     # ------------------------------------------------------------------ public API
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, metrics: dict[str, float], step: int, *, local: bool = True) -> None:
+        """local=False: MLflow only, for curves whose x axis is not the training step (a
+        memory-length sweep): metrics.jsonl stays a record of training steps."""
         if not self.enabled:
             return
         values: dict[str, float] = {}
@@ -287,8 +289,9 @@ class Tracker:
                 log.warning("metric %s=%r is not a number; not logged", k, v)
         now = time.time()
         try:
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps({"step": int(step), "time": now, **values}) + "\n")
+            if local:
+                with open(self.metrics_path, "a") as f:
+                    f.write(json.dumps({"step": int(step), "time": now, **values}) + "\n")
         except OSError as err:
             if not self._warned_local:
                 self._warned_local = True

@@ -284,7 +284,9 @@ class _Loop:
                    "rank": self.env.rank}
         meta = {"world_size": self.env.world_size, "zero_stage": self.stage,
                 "global_batch": self.cfg.data.global_batch, "name": self.cfg.name,
-                "mechanism": self.cfg.model.mechanism}
+                "mechanism": self.cfg.model.mechanism,
+                # What the weights are: checked against the config that loads them later.
+                "model": self.cfg.model.to_dict()}
         path = ckpt.save(self.engine, self.ckpt_root, st.step, self.env.rank, payload, meta,
                          self.cfg.keep_last)
         if self.env.is_main:
