@@ -15,6 +15,9 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "eval": ("train.cli", "main_eval", "score a run's checkpoint under an evaluation protocol"),
     "recl": ("train.recl_cli", "main_recl",
              "relative effective context length of a group of runs (XL App. C)"),
+    "analyze": ("train.analyze_cli", "main_analyze",
+                "plot how a checkpoint uses its memory (attention vs distance, LaMemo alpha, "
+                "RMT maps) into the run's MLflow run"),
     "generate": ("train.generate_cli", "main_generate",
                  "sample text from a checkpoint, memory carried across segments"),
     "export": ("train.cli", "main_export", "write a run's weights as one fp32 safetensors file"),

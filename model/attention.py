@@ -12,11 +12,16 @@ Two interchangeable paths compute softmax(A) V:
   masked keys), and torch's scaled_dot_product_attention does the rest.
 LaMemo needs each query's log-normaliser logsumexp_j A_ij; it is returned on request by the
 plain path (the fused kernels do not expose it differentiably).
+
+For analyses, `RelativeSelfAttention.attn_log` set to a list records every call's
+probabilities with an `AttnLayout` saying which rows and columns are memory, segment, or
+RMT read/write tokens (train/memory_analysis.py plots them).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +62,37 @@ def softmax_with_lse(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores.to(torch.promote_types(scores.dtype, torch.float32)))
 
 
+@dataclass(frozen=True)
+class AttnLayout:
+    """Where the query rows and key columns of one attention call sit on the sequence axis.
+
+    The axis is the concatenation of `blocks` (name, length), oldest first: XL and LaMemo
+    (("memory", M), ("segment", L)); RMT (("cache", C), ("read", m), ("segment", L),
+    ("write", m)). Query row i sits at query_start + i and key column j at key_start + j, so
+    their difference is the relative distance the call encodes with R_{i-j}. A plain
+    dataclass, not a tuple: ZeRO-3's forward hooks pass it through untouched.
+    """
+
+    blocks: tuple[tuple[str, int], ...]
+    query_start: int
+    key_start: int
+    branch: str = "causal"  # LaMemo: "causal" (Eq. 2) or "look_ahead" (Eq. 7-9)
+
+    @classmethod
+    def memory_then_segment(cls, n_q: int, n_k: int) -> AttnLayout:
+        """Queries are the last n_q of n_k keys, the rest is memory (XL, LaMemo causal)."""
+        n_mem = n_k - n_q
+        return cls((("memory", n_mem), ("segment", n_q)), n_mem, 0)
+
+
+@dataclass
+class AttentionRecord:
+    """One recorded attention call (analysis only; see RelativeSelfAttention.attn_log)."""
+
+    prob: torch.Tensor      # [B, H, Q, K] float32, detached, before dropout; masked keys 0
+    layout: AttnLayout
+
+
 def relative_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -70,6 +106,7 @@ def relative_attention(
     impl: str = "fused",
     need_lse: bool = False,
     skew_start: int = 0,
+    probs: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attend Q query rows to K key rows with relative positions.
 
@@ -77,7 +114,8 @@ def relative_attention(
     `positional.distance_list` (row t is distance d_max - t); u_bias, v_bias [H, dh];
     allowed: bool, broadcastable to [B, Q, K] (True = may attend). Every query row must have
     at least one allowed key. skew_start: how many leading distances r omits (see `skew`).
-    dropatt is applied to the probabilities (pass 0 in eval).
+    dropatt is applied to the probabilities (pass 0 in eval). probs: a list to append the
+    probabilities [B, H, Q, K] to (float32, detached, before dropout); forces the plain path.
     Returns (out [B, Q, H, dh], lse [B, Q, H] in float32 or None).
     """
     n_k = k.shape[1]
@@ -89,7 +127,7 @@ def relative_attention(
     bd = skew(torch.matmul(qh + v_bias[:, None, :], r.permute(1, 2, 0)), n_k, skew_start)
     mask = allowed[:, None] if allowed.dim() == 3 else allowed  # [B|1, 1, Q, K]
 
-    if impl == "fused" and not need_lse:
+    if impl == "fused" and not need_lse and probs is None:
         bias = (bd * scale).masked_fill(~mask, float("-inf"))
         out = F.scaled_dot_product_attention(qh + u_bias[:, None, :], kh, vh, attn_mask=bias,
                                              dropout_p=dropatt, scale=scale)
@@ -102,10 +140,13 @@ def relative_attention(
     if need_lse:
         # Kept in float32: the LaMemo state stores log-normalisers so that fp16/bf16
         # exponentials never overflow (LaMemo §3.2, "logsumexp and logaddexp").
-        prob, lse = softmax_with_lse(scores)
-        prob, lse = prob.to(vh.dtype), lse.transpose(1, 2)
+        prob32, lse = softmax_with_lse(scores)
+        lse = lse.transpose(1, 2)
     else:
-        prob = torch.softmax(scores.float(), dim=-1).to(vh.dtype)
+        prob32 = torch.softmax(scores.float(), dim=-1)
+    if probs is not None:
+        probs.append(prob32.detach())
+    prob = prob32.to(vh.dtype)
     if dropatt > 0:
         prob = F.dropout(prob, p=dropatt, training=True)
     out = torch.matmul(prob, vh)
@@ -135,6 +176,10 @@ class RelativeSelfAttention(nn.Module):
         self.dropatt = dropatt
         self.pre_lnorm = pre_lnorm
         self.impl = impl
+        # Set to a list to record every attend call as an AttentionRecord (analyses such as
+        # attention mass against distance). Recording takes the plain path; None (the
+        # default) leaves the call exactly as it is.
+        self.attn_log: list[AttentionRecord] | None = None
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         return x.view(*x.shape[:-1], self.n_head, self.d_head)
@@ -154,10 +199,27 @@ class RelativeSelfAttention(nn.Module):
         """R (already dropped out, [D, d_model]) -> W_{k,R} R as [D, H, dh]."""
         return self._heads(self.r_net(r_emb))
 
-    def attend(self, q, k, v, r, u_bias, v_bias, allowed, need_lse=False, skew_start=0):
+    def attend(self, q, k, v, r, u_bias, v_bias, allowed, need_lse=False, skew_start=0,
+               layout: AttnLayout | None = None):
+        """relative_attention with this layer's dropout and path. layout describes the rows
+        and columns for a recording (default: keys are [memory ∘ queries' segment])."""
+        if self.attn_log is not None:
+            return self._attend_recorded(q, k, v, r, u_bias, v_bias, allowed, need_lse,
+                                         skew_start, layout)
         return relative_attention(q, k, v, r, u_bias, v_bias, allowed,
                                   dropatt=self.dropatt if self.training else 0.0,
                                   impl=self.impl, need_lse=need_lse, skew_start=skew_start)
+
+    def _attend_recorded(self, q, k, v, r, u_bias, v_bias, allowed, need_lse, skew_start,
+                         layout):
+        probs: list[torch.Tensor] = []
+        out = relative_attention(q, k, v, r, u_bias, v_bias, allowed,
+                                 dropatt=self.dropatt if self.training else 0.0, impl="plain",
+                                 need_lse=need_lse, skew_start=skew_start, probs=probs)
+        if layout is None:
+            layout = AttnLayout.memory_then_segment(q.shape[1], k.shape[1])
+        self.attn_log.append(AttentionRecord(probs[0], layout))
+        return out
 
     def output(self, residual: torch.Tensor, attn_vec: torch.Tensor) -> torch.Tensor:
         """attn_vec [B, T, H, dh] (before W_o) -> LN(residual + Dropout(W_o attn_vec))."""
@@ -166,12 +228,13 @@ class RelativeSelfAttention(nn.Module):
             return residual + out
         return self.layer_norm(residual + out)
 
-    def forward(self, h, mem, r_emb, u_bias, v_bias, allowed):
+    def forward(self, h, mem, r_emb, u_bias, v_bias, allowed, layout=None):
         """Transformer-XL attention: queries from h, keys/values from [SG(mem) ∘ h]."""
         cat = h if mem is None or mem.shape[1] == 0 else torch.cat([mem, h], dim=1)
         q = self.project_q(h)
         k, v = self.project_kv(cat)
-        vec, _ = self.attend(q, k, v, self.project_r(r_emb), u_bias, v_bias, allowed)
+        vec, _ = self.attend(q, k, v, self.project_r(r_emb), u_bias, v_bias, allowed,
+                             layout=layout)
         return self.output(h, vec)
 
 
@@ -202,5 +265,5 @@ class DecoderLayer(nn.Module):
                                           cfg.dropatt, cfg.pre_lnorm, cfg.attn_impl)
         self.ff = PositionwiseFF(cfg.d_model, cfg.d_inner, cfg.dropout, cfg.pre_lnorm)
 
-    def forward(self, h, mem, r_emb, u_bias, v_bias, allowed):
-        return self.ff(self.attn(h, mem, r_emb, u_bias, v_bias, allowed))
+    def forward(self, h, mem, r_emb, u_bias, v_bias, allowed, layout=None):
+        return self.ff(self.attn(h, mem, r_emb, u_bias, v_bias, allowed, layout))

@@ -24,6 +24,7 @@ import math
 import torch
 from torch import nn
 
+from .attention import AttnLayout
 from .backbone import Learned, Lengths, RelativeBackbone, causal_allowed
 from .config import ModelConfig
 from .memory import LaMemoMemory, _fifo
@@ -114,7 +115,9 @@ class LaMemo(RelativeBackbone):
         dist = distance_list(0, m_now, win_start, n_win, device=dev)[skew_start:]
         r_ahead = self.r_emb(dist, lengths, absolute=self.opts.pos_enc == "disentangled",
                              dtype=dtype)
-        return r_ahead, la_allowed, win_start, skew_start
+        # For attention recording: memory rows as queries, the window as keys.
+        layout = AttnLayout((("memory", m_now), ("segment", n_q)), 0, win_start, "look_ahead")
+        return r_ahead, la_allowed, win_start, skew_start, layout
 
     # ------------------------------------------------------------------ one layer
     def _causal_only(self, layer, i, bias, h, r_causal, allowed):
@@ -126,7 +129,7 @@ class LaMemo(RelativeBackbone):
         return layer.ff(layer.attn.output(h, c_fwd)), c_fwd, lse_fwd
 
     def _branches(self, layer, i, bias, mem, h, c_mem, ln_mem, r_causal, allowed, r_ahead,
-                  la_allowed, win_start, skew_start, *, top: bool):
+                  la_allowed, win_start, skew_start, la_layout, *, top: bool):
         """Causal branch for the current rows, look-ahead + interpolation for the memory rows.
         Returns z = [mem ∘ h], C = [C↔ ∘ C→] and log S = [log S_mem ⊕ log s← ∘ log s→]."""
         m_now = mem.shape[1]
@@ -144,7 +147,7 @@ class LaMemo(RelativeBackbone):
             c_ahead, lse_ahead = layer.attn.attend(layer.attn.project_q(mem), k[:, win],
                                                    v[:, win], layer.attn.project_r(r_ahead), u,
                                                    v_minus, la_allowed, need_lse=True,
-                                                   skew_start=skew_start)
+                                                   skew_start=skew_start, layout=la_layout)
             ln_old = ln_mem.float()
             ln_mix = torch.logaddexp(ln_old, lse_ahead)
             if self.opts.interpolate:

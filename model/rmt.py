@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .attention import AttnLayout
 from .backbone import Learned, Lengths, RelativeBackbone
 from .config import ModelConfig
 from .memory import RMTMemory, XLMemory
@@ -96,13 +97,17 @@ class RMT(RelativeBackbone):
         # Memory rows attend to the right inside their block, so distances are signed.
         dist = distance_list(c_now, n_q, 0, c_now + n_q, device=h0.device)
         r_emb = self.r_emb(dist, lengths, dtype=h0.dtype)
+        # Names the rows and columns when attention is recorded (RMT Fig. 6 maps).
+        layout = AttnLayout((("cache", c_now), ("read", m), ("segment", n_tok), ("write", m)),
+                            c_now, 0)
 
         layer_inputs, h = [], x
         bias = self.bias_tensors()
         for i, layer in enumerate(self.layers):
             layer_inputs.append(h)
             u, v = self.biases(i, bias)
-            h = self.run_layer(layer, h, cache.hids[i] if c_now else None, r_emb, u, v, allowed)
+            h = self.run_layer(layer, h, cache.hids[i] if c_now else None, r_emb, u, v, allowed,
+                               layout)
         h = self.drop(h)  # write outputs are taken after the final dropout (RMT code)
         new_cache = cache.appended(layer_inputs, lengths.mem_len) if cache is not None else None
         new_state = RMTMemory(tokens=h[:, m + n_tok:],
