@@ -20,6 +20,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
                 "RMT maps) into the run's MLflow run"),
     "generate": ("train.generate_cli", "main_generate",
                  "sample text from a checkpoint, memory carried across segments"),
+    "compare": ("train.compare.cli", "main_compare",
+                "compare MLflow runs in one self-contained HTML report (+ markdown)"),
     "export": ("train.cli", "main_export", "write a run's weights as one fp32 safetensors file"),
     "submit": ("cluster.submit", "main_submit", "render a run's sbatch script and submit it"),
     "jobs": ("cluster.jobs", "main_jobs", "the project's SLURM jobs: state, nodes, step, run"),

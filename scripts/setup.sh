@@ -29,11 +29,16 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     echo "$want" > "$stamp"
 fi
 
-# The cluster tests run a real single-node SLURM (Debian's slurm-wlm and munge). Installed
-# when this runs as root on Debian/Ubuntu and they are missing; elsewhere those tests skip.
-if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null && ! command -v slurmd > /dev/null; then
+# System packages some tests need: the cluster tests run a real single-node SLURM (Debian's
+# slurm-wlm and munge); the `memtrain compare` report test renders its HTML in headless
+# Chromium. Installed when this runs as root on Debian/Ubuntu and they are missing; elsewhere
+# those tests skip (with the reason).
+missing=()
+command -v slurmd > /dev/null || missing+=(slurm-wlm munge)
+command -v chromium > /dev/null || missing+=(chromium)
+if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-        slurm-wlm munge > /dev/null) || echo "setup: could not install slurm-wlm/munge" >&2
+        "${missing[@]}" > /dev/null) || echo "setup: could not install ${missing[*]}" >&2
 fi
 
 # DeepSpeed JIT-compiles its shared-memory communication op on first use (~30 s);

@@ -130,6 +130,25 @@ def test_changed_tracking_uri_starts_a_new_run_and_warns(tmp_path):
     assert json.loads((run_dir / "tracking.json").read_text())["tracking_uri"] == other
 
 
+def test_jobs_opening_a_new_shared_sqlite_store_at_once_all_get_their_run(tmp_path):
+    # Sweep elements share one store; MLflow's first-use schema migration is not safe to run
+    # twice at once (the loser leaves the database half-migrated for every later job).
+    uri = f"sqlite:///{tmp_path}/shared.db"
+    code = ("import sys, warnings; warnings.simplefilter('error', UserWarning); "
+            "from train.tracking import Tracker; "
+            "t = Tracker(sys.argv[1], tracking_uri=sys.argv[2], run_name=sys.argv[3]); "
+            "t.log_metrics({'loss': 1.0}, 1); t.close(); "
+            "sys.exit(0 if t.run_id else 1)")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / n), uri, n],
+                              cwd=Path(__file__).resolve().parents[1], stderr=subprocess.PIPE,
+                              text=True) for n in ("a", "b", "c")]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], errors
+    runs = MlflowClient(uri).search_runs(
+        [MlflowClient(uri).get_experiment_by_name("memtrain").experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["a", "b", "c"]
+
+
 def test_many_and_long_params_are_batched_and_truncated(tmp_path, monkeypatch):
     # MLflow 3.17's own stores accept 250 params in one call and cut long values themselves;
     # its REST API documents <= 100 per call, and with MLFLOW_TRUNCATE_LONG_VALUES=false (or

@@ -19,6 +19,7 @@ mlflow is imported lazily: non-zero ranks (enabled=False) never pay its ~2 s imp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -153,7 +154,8 @@ class Tracker:
         embedded = f"sqlite:///{self.run_dir}/mlflow.db"
         self.tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or embedded
         try:
-            self._start(run_name, params or {}, tags or {})
+            with _sqlite_lock(self.tracking_uri):
+                self._start(run_name, params or {}, tags or {})
         except Exception as err:  # tracking must never stop training
             self._fail(err)
 
@@ -219,7 +221,13 @@ class Tracker:
             if self.tracking_uri.startswith("sqlite:///"):
                 db = Path(self.tracking_uri[len("sqlite:///"):]).absolute()
                 where = str(db.parent / "mlartifacts")
-            return client.create_experiment(self.experiment, artifact_location=where)
+            try:
+                return client.create_experiment(self.experiment, artifact_location=where)
+            except Exception:
+                # Another run (a sweep element, a parallel job) created it a moment ago.
+                exp = client.get_experiment_by_name(self.experiment)
+                if exp is None:
+                    raise
         if exp.lifecycle_stage == "deleted":
             client.restore_experiment(exp.experiment_id)
         return exp.experiment_id
@@ -353,6 +361,27 @@ class Tracker:
             self.log_artifact(png)
         self._mlflow("set_terminated", self.run_id, status)
         self._client = None  # later calls (if any) are local-only
+
+
+@contextlib.contextmanager
+def _sqlite_lock(uri: str):
+    """Hold an exclusive lock beside a sqlite store while a run starts. Two jobs opening a
+    NEW store at once (sweep elements sharing one) race on MLflow's schema migration, and
+    the loser leaves the database half-migrated ("duplicate column name") for good; once
+    created, sqlite serialises writers itself. Other stores need no lock."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+
+    db = Path(uri[len("sqlite:///"):]).absolute()
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.with_name(db.name + ".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _probe(uri: str) -> None:
