@@ -13,12 +13,12 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("train.cli", "main_train", "train a model (DeepSpeed; resumes a run directory)"),
     "eval": ("train.cli", "main_eval", "score a run's checkpoint under an evaluation protocol"),
-    "recl": ("train.recl_cli", "main_recl",
+    "recl": ("train.evaluation.recl_cli", "main_recl",
              "relative effective context length of a group of runs (XL App. C)"),
-    "analyze": ("train.analyze_cli", "main_analyze",
+    "analyze": ("train.evaluation.analyze_cli", "main_analyze",
                 "plot how a checkpoint uses its memory (attention vs distance, LaMemo alpha, "
                 "RMT maps) into the run's MLflow run"),
-    "generate": ("train.generate_cli", "main_generate",
+    "generate": ("train.evaluation.generate_cli", "main_generate",
                  "sample text from a checkpoint, memory carried across segments"),
     "compare": ("train.compare.cli", "main_compare",
                 "compare MLflow runs in one self-contained HTML report (+ markdown)"),

@@ -15,7 +15,7 @@ plain path (the fused kernels do not expose it differentiably).
 
 For analyses, `RelativeSelfAttention.attn_log` set to a list records every call's
 probabilities with an `AttnLayout` saying which rows and columns are memory, segment, or
-RMT read/write tokens (train/memory_analysis.py plots them).
+RMT read/write tokens (train/evaluation/memory_plots.py plots them).
 """
 
 from __future__ import annotations

@@ -440,7 +440,7 @@ def test_nothing_to_compare_exits_2_with_a_clear_message(case, real, local_store
 
 
 def test_protocol_text_from_params_reads_like_the_training_log():
-    from train.evaluate import EvalProtocol
+    from train.evaluation.evaluate import EvalProtocol
 
     for changes in ({}, {"max_segments": 0}, {"carry_memory": False, "same_length": True}):
         proto = EvalProtocol(**{**PROTOCOL, **changes})

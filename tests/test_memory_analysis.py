@@ -15,8 +15,8 @@ from train_helpers import run_train, tiny_config
 
 import model.attention as attention
 from model.rmt import rmt_allowed
-from train.analyze_cli import main_analyze
-from train.memory_analysis import DistanceProfile, MemoryAnalysis, RMTBlocks, recording
+from train.evaluation.analyze_cli import main_analyze
+from train.evaluation.memory_plots import DistanceProfile, MemoryAnalysis, RMTBlocks, recording
 
 SEG = 4
 CASES = {

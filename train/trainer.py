@@ -31,7 +31,7 @@ from .bptt import SlidingHistory, episode_cuts, run_window
 from .config import RunConfig, dump_yaml
 from .distributed import all_reduce_sum, barrier, device_for, init_process_group, resolve_env
 from .engine import build_ds_config, initialize, zero_stage
-from .evaluate import evaluate, headline, protocol_for
+from .evaluation.evaluate import evaluate, headline, protocol_for
 from .progress import Progress, peak_memory_mb
 from .tracking import Tracker
 

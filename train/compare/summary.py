@@ -82,8 +82,9 @@ def param_tables(runs: list[RunData]) -> tuple[Table, Table]:
 
 # ---------------------------------------------------------------------------- protocols
 def describe_protocol(p: dict[str, str]) -> str:
-    """The words of train.evaluate.EvalProtocol.describe (so a report reads like the training
-    log), from the logged params; written out here because train.evaluate imports torch."""
+    """The words of EvalProtocol.describe (train/evaluation/evaluate.py), so that a report
+    reads like the training log, from the logged params; written out here because that
+    module imports torch."""
     g = {f: p.get(f, "?") for f in PROTOCOL_FIELDS}
     text = (f"{g['split']}: tgt_len {g['tgt_len']}, mem_len {g['mem_len']}, clamp_len "
             f"{g['clamp_len']}, same_length {g['same_length']}, {g['batch']} rows, first "

@@ -6,7 +6,7 @@
 Reads `--segments` segments of every one of `--rows` stream rows of the split, carrying the
 memory as in evaluation (the eval.* lengths apply: eval.mem_len=64 analyses a longer
 memory), after a warm-up that fills the memory. Writes to <run_dir>/analysis/ the plots
-that apply to the mechanism (train/memory_analysis.py), each PNG with a JSON of its numbers,
+that apply to the mechanism (train/evaluation/memory_plots.py), each PNG with a JSON of its numbers,
 and logs them as artifacts under analysis/ of the run's MLflow run.
 """
 
@@ -21,7 +21,7 @@ import torch
 
 from model import ConfigError
 
-from .config import RunConfig, load_config
+from ..config import RunConfig, load_config
 
 PROG = "memtrain analyze"
 
@@ -54,10 +54,10 @@ def analyze_run(cfg: RunConfig, checkpoint: str | None = None, split: str | None
     checkpoint), ShardError (no such split) or ValueError (bad numbers, data too short)."""
     from data_pipeline.shards import load_manifest
 
+    from ..export import load_weights
+    from .cli import log_to_run, pick_checkpoint
     from .evaluate import protocol_for
-    from .evaluation_cli import log_to_run, pick_checkpoint
-    from .export import load_weights
-    from .memory_analysis import MemoryAnalysis
+    from .memory_plots import MemoryAnalysis
 
     if segments < 1 or rows < 1:
         raise ValueError(f"--segments and --rows must be >= 1, got {segments} and {rows}")

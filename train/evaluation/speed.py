@@ -74,11 +74,11 @@ def vanilla_sliding_nll(model: MemoryLM, tokens: torch.Tensor, context: int, *,
     """Vanilla evaluation (Al-Rfou et al. 2018; XL §3.1): one full forward per scored token.
 
     Token t is scored by a forward over tokens[:, max(0, t-context) : t] with an EMPTY memory
-    (every window starts from nothing, as `carry_memory=False` in train.evaluate), keeping
-    only the last position's prediction; the window then slides by one. Tokens with less than
-    `context` history get the shorter prefix, one forward per length. Full-length windows are
-    stacked `windows_per_forward` per row into one batch for speed; each is still computed
-    from scratch. same_length is off (with no memory it would cut the window to mem_len).
+    (every window starts from nothing, as `carry_memory=False` in evaluation/evaluate.py),
+    keeping only the last position's prediction; the window then slides by one. Tokens with
+    less than `context` history get the shorter prefix, one forward per length. Full-length
+    windows are stacked `windows_per_forward` per row into one batch for speed; each is still
+    computed from scratch. same_length is off (with no memory it would cut the window to mem_len).
 
     Returns [B, N - first]: column i is the NLL of tokens[:, first + i]. With first = 1 (the
     default) that is [B, N - 1], aligned with `cached_nll`.

@@ -13,11 +13,11 @@ import time
 
 import torch
 
-from .checkpoint import CheckpointInfo, _read, find_latest
-from .config import RunConfig
-from .distributed import device_for, resolve_env
+from ..checkpoint import CheckpointInfo, _read, find_latest
+from ..config import RunConfig
+from ..distributed import device_for, resolve_env
+from ..export import load_weights
 from .evaluate import evaluate, headline, protocol_for
-from .export import load_weights
 
 
 def pick_checkpoint(cfg: RunConfig, name: str | None) -> CheckpointInfo | None:
@@ -39,7 +39,7 @@ def log_to_run(cfg: RunConfig, step: int, metrics: dict[str, float] | None = Non
     whose x axis is not the training step (e.g. a memory-length sweep). artifacts are
     (path, artifact_dir) pairs. The run's status stays what training left (e.g. KILLED when
     it was interrupted), not FINISHED because an evaluation finished."""
-    from .tracking import Tracker
+    from ..tracking import Tracker
 
     tracker = Tracker(cfg.resolved_run_dir, experiment=cfg.tracking.experiment,
                       run_name=cfg.name, tracking_uri=cfg.tracking.uri or None)
@@ -60,7 +60,7 @@ def log_to_run(cfg: RunConfig, step: int, metrics: dict[str, float] | None = Non
 def run_eval(cfg: RunConfig, checkpoint: str | None, track: bool = True,
              sweep_points: list[tuple[int, int]] | None = None) -> dict | None:
     """Score the checkpoint under the run's eval protocol, or, with `sweep_points`
-    ((tgt_len, mem_len) pairs), over a memory-length sweep (train/memory_sweep.py)."""
+    ((tgt_len, mem_len) pairs), over a memory-length sweep (train/evaluation/sweep.py)."""
     from data_pipeline.shards import load_manifest
 
     env = resolve_env()
@@ -103,7 +103,7 @@ def _single(cfg, model, manifest, info, env, device, track) -> dict:
 
 
 def _sweep(cfg, model, manifest, points, info, env, device, track) -> dict:
-    from .memory_sweep import format_table, run_sweep, save_and_log
+    from .sweep import format_table, run_sweep, save_and_log
 
     sweep = run_sweep(cfg, model, manifest, points, device, env.rank, env.world_size)
     sweep.update(checkpoint=info.path.name, step=info.step)

@@ -3,9 +3,9 @@
     memtrain recl --run-dirs runs/xl runs/xl-nomem --step 16 --max-context 64
 
 Each run's latest checkpoint (or --checkpoint) is scored on the same tokens of the same
-split at contexts start, start+step, ..., max-context (train/recl.py). Out: a table on the
-terminal, recl.json, recl.md and the gain plot in --out, and in every run's MLflow run the
-metrics recl_r<r> plus those files as artifacts under recl/.
+split at contexts start, start+step, ..., max-context (train/evaluation/recl.py). Out: a
+table on the terminal, recl.json, recl.md and the gain plot in --out, and in every run's
+MLflow run the metrics recl_r<r> plus those files as artifacts under recl/.
 """
 
 from __future__ import annotations
@@ -69,9 +69,9 @@ def _run(args) -> int:
     from data_pipeline.shards import load_manifest
     from data_pipeline.streams import TokenStream
 
-    from .cli import _run_config
-    from .evaluation_cli import log_to_run, pick_checkpoint
-    from .export import load_weights
+    from ..cli import _run_config
+    from ..export import load_weights
+    from .cli import log_to_run, pick_checkpoint
 
     runs = []
     for run_dir in args.run_dirs:

@@ -26,7 +26,7 @@ import torch
 
 from model import ConfigError
 
-from .config import RunConfig
+from ..config import RunConfig
 from .evaluate import EvalProtocol, evaluate, protocol_for
 
 DEFAULT_MULTIPLES = tuple(range(1, 11))
@@ -171,7 +171,7 @@ def save_and_log(cfg: RunConfig, sweep: dict, step: int, tag: str, track: bool) 
     path.write_text(json.dumps(sweep, indent=1))
     png = plot_sweep(sweep, out_dir / f"{stem}.png")
     if track and cfg.tracking.enabled:
-        from .evaluation_cli import log_to_run
+        from .cli import log_to_run
         curve = [(f"sweep_{sweep['split']}_loss_tgt{p['protocol']['tgt_len']}", p["loss"],
                   p["protocol"]["mem_len"]) for p in sweep["points"] if "error" not in p]
         log_to_run(cfg, step, None, [(path, "eval"), (png, "eval")], metric_steps=curve)

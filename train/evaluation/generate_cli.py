@@ -51,9 +51,9 @@ def load_for_generation(path: Path, data: str | None):
     from data_pipeline.shards import load_manifest
     from data_pipeline.vocab import vocab_from_dict
 
-    from .cli import _run_config
-    from .evaluation_cli import pick_checkpoint
-    from .export import load_weights
+    from ..cli import _run_config
+    from ..export import load_weights
+    from .cli import pick_checkpoint
 
     if path.suffix == ".safetensors":
         from model import load_model
