@@ -5,6 +5,7 @@ this protocol and never asks which mechanism it runs:
 
     detach()            stop gradients (RMT BPTT window edges; XL/LaMemo are always detached)
     select_rows(index)  keep some batch rows, in the given order
+    concat_rows(states) join the rows of several states (e.g. one per rank)
     reset_rows(mask)    forget the memory of the rows whose document starts now
     to(device, dtype)   move; LaMemo's log-normalisers stay float32 whatever dtype is asked
     state_dict() / load_state_dict(d) / MemoryState.from_state_dict(d)
@@ -68,6 +69,28 @@ class MemoryState:
     def select_rows(self, index: torch.Tensor) -> MemoryState:
         index = torch.as_tensor(index, dtype=torch.long, device=self.length.device)
         return self._map(lambda _, t: t.index_select(0, index))
+
+    @staticmethod
+    def concat_rows(states: list[MemoryState]) -> MemoryState:
+        """The rows of `states`, in order, as one state: e.g. the per-rank memories of a
+        checkpoint joined before they are split over another number of ranks. The states
+        must come from the same step (every tensor is batch-first; cache widths agree)."""
+        first = states[0]
+        if any(type(s) is not type(first) for s in states):
+            raise ValueError(f"cannot join memories of kinds {sorted({s.kind for s in states})}")
+        values = {}
+        for f in fields(first):
+            vals = [getattr(s, f.name) for s in states]
+            if isinstance(vals[0], torch.Tensor):
+                values[f.name] = torch.cat(vals, dim=0)
+            elif isinstance(vals[0], list):
+                values[f.name] = [torch.cat(per_entry, dim=0) for per_entry in zip(*vals,
+                                                                                   strict=True)]
+            elif isinstance(vals[0], MemoryState):
+                values[f.name] = MemoryState.concat_rows(vals)
+            else:
+                values[f.name] = vals[0]  # None: absent in every state
+        return type(first)(**values)
 
     def to(self, device=None, dtype=None) -> MemoryState:
         def move(name, t):

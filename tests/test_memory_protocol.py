@@ -208,6 +208,23 @@ def test_select_rows_then_next_segment_equals_those_rows_of_full_batch(setup):
     assert (fresh - full[index]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("setup", SETUPS)
+def test_concat_rows_of_per_rank_parts_rebuilds_the_whole_state(setup):
+    # What a resume on another world size does: rank parts joined in rank order.
+    model = make_model(setup)
+    state = state_after(model, batch=4)
+    parts = [state.select_rows(torch.tensor(rows)) for rows in ([0, 1], [2], [3])]
+    assert_states_equal(MemoryState.concat_rows(parts), state)
+    swapped = MemoryState.concat_rows([parts[2], parts[0], parts[1]])
+    assert_states_equal(swapped, state.select_rows(torch.tensor([3, 0, 1, 2])))
+
+
+def test_concat_rows_refuses_states_of_different_kinds():
+    xl, rmt = state_after(make_model("xl")), state_after(make_model("rmt"))
+    with pytest.raises(ValueError, match="kinds"):
+        MemoryState.concat_rows([xl, rmt])
+
+
 # --------------------------------------------------------------------------- reset_rows
 @pytest.mark.parametrize("setup", SETUPS)
 def test_reset_row_continues_like_a_fresh_document_and_other_rows_are_unchanged(setup):

@@ -84,11 +84,35 @@ def test_resume_on_another_world_size_reshards_weights_and_optimizer(tmp_path, s
     first = step_losses(tmp_path / "runs" / "elastic")
     done = run_train(cfg, ["max_steps=12"], nproc=1)
     out = done.stdout + done.stderr
-    assert "resuming a 2-rank checkpoint on 1 ranks" in out and "memory reset" in out
+    assert "resuming a 2-rank checkpoint on 1 ranks" in out and "regrouped by rows" in out
     losses = step_losses(tmp_path / "runs" / "elastic")
     assert sorted(losses) == list(range(1, 13))
     # Trained weights came back: the continued loss stays far below the untrained one.
     assert max(losses[s] for s in range(9, 13)) < first[1] - 0.15
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mechanism, bptt", [
+    ("xl", {"depth": 0}), ("rmt", {"depth": 1, "mode": "sliding"})])
+def test_resume_on_another_world_size_carries_every_rows_memory(tmp_path, mechanism, bptt):
+    # Rows are global: rank r of 2 holds rows [2r, 2r+2). Resumed on 1 rank, its memory (and
+    # the sliding-BPTT history) is both old ranks' memories joined, so the losses continue
+    # as in the run that never stopped; without the memory the first steps would jump.
+    model = {"mechanism": mechanism, "dropout": 0.0}
+    if mechanism == "rmt":
+        model["rmt"] = {"num_mem_tokens": 3}
+    sections = dict(model=model, bptt=bptt, eval={"max_segments": 4})
+    ref = tiny_config(tmp_path, "straight", max_steps=12, **sections)
+    run_train(ref, nproc=2)
+    cfg = tiny_config(tmp_path, "moved", max_steps=8, **sections)
+    run_train(cfg, nproc=2)
+    done = run_train(cfg, ["max_steps=12"], nproc=1)
+    assert "regrouped by rows" in done.stdout + done.stderr
+    moved, straight = step_losses(tmp_path / "runs" / "moved"), \
+        step_losses(tmp_path / "runs" / "straight")
+    assert sorted(moved) == list(range(1, 13))
+    for step in range(9, 13):
+        assert moved[step] == pytest.approx(straight[step], rel=1e-4), step
 
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_usable(tmp_path):

@@ -33,6 +33,7 @@ from .distributed import all_reduce_sum, barrier, device_for, init_process_group
 from .engine import build_ds_config, initialize, zero_stage
 from .evaluation.evaluate import evaluate, headline, protocol_for
 from .progress import Progress, peak_memory_mb
+from .resume import restore
 from .tracking import Tracker
 
 
@@ -115,36 +116,6 @@ def _stream(cfg: RunConfig, manifest, rank: int, world: int):
                        prefetch=d.prefetch, url_template=d.url_template or None)
 
 
-def _restore(info, engine, state: TrainState, stream, env, device) -> None:
-    same_world = info.world_size == env.world_size
-    tag = info.tag if same_world or info.zero_stage == 0 else None
-    if tag is None:
-        if env.is_main:
-            ckpt.to_universal(info)
-        barrier()
-        tag = f"{info.tag}_universal"
-    path, _ = engine.load_checkpoint(str(info.path.parent), tag=tag)
-    if path is None:
-        raise RuntimeError(f"DeepSpeed could not load checkpoint {info.path.parent / tag}")
-    payload = ckpt.load_rank_payload(info, env.rank if same_world else 0)
-    state.step, state.tokens_seen = payload["step"], payload["tokens_seen"]
-    if same_world:
-        stream.load_state_dict(payload["stream"])
-        mem = payload["memory"]
-        state.memory = None if mem is None else MemoryState.from_state_dict(mem).to(device)
-        state.history.load_state_dict(payload["history"], device)
-        ckpt.set_rng_state(payload["rng"])
-    else:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # our own warning below says it all
-            stream.load_state_dict(payload["stream"])
-        msg = (f"resuming a {info.world_size}-rank checkpoint on {env.world_size} ranks: model "
-               f"and optimizer re-sharded, streams re-laid at step {state.step}, memory reset")
-        if env.is_main:
-            warnings.warn(msg, stacklevel=2)
-            print(f"WARNING: {msg}", flush=True)
-
-
 def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1, default=str))
@@ -193,7 +164,7 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     state = TrainState(history=SlidingHistory(cfg.bptt.depth if cfg.bptt.mode == "sliding"
                                               else 0))
     if info is not None:
-        _restore(info, engine, state, stream, env, device)
+        restore(info, engine, state, stream, env, device)
         if env.is_main:
             print(f"resumed from {info.path} at step {state.step}", flush=True)
     tracker = Tracker(run_dir, enabled=env.is_main, experiment=cfg.tracking.experiment,
