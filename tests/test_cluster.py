@@ -158,10 +158,16 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_losses(
     # What SLURM sends before the time limit, here by hand, to the batch shell only.
     subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True)
 
-    def release(state):  # SLURM delays a requeued job (BeginTime); start it now
-        if "BeginTime" in state:
+    released = []
+
+    def release(state):  # SLURM delays a requeued job (BeginTime); start it sooner, once
+        if "BeginTime" in state and not released:
+            # Not at once: slurmd refuses a start within the second the previous run's
+            # credential was revoked ("Job credential revoked"), which is why SLURM delays.
+            time.sleep(3)
             subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"], env=slurm,
                            capture_output=True)
+            released.append(True)
     _wait(slurm, job, on_pending=release)
     log = (run_dir / f"slurm-{job}.out").read_text()
     assert "run state interrupted after restart 0" in log
