@@ -7,6 +7,8 @@ world size). ZeRO-0 keeps the whole module in the rank-0 model file.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from pathlib import Path
 
 import torch
@@ -22,7 +24,9 @@ def fp32_state_dict(info: CheckpointInfo) -> dict[str, torch.Tensor]:
                             weights_only=False)
         return {k: v.float() for k, v in states["module"].items()}
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    return get_fp32_state_dict_from_zero_checkpoint(str(info.path.parent), tag=info.tag)
+    # It prints its progress; stdout belongs to our commands' results (tables, JSON, text).
+    with contextlib.redirect_stdout(sys.stderr):
+        return get_fp32_state_dict_from_zero_checkpoint(str(info.path.parent), tag=info.tag)
 
 
 # Model fields that only change how the weights are run (evaluation lengths, speed knobs,
