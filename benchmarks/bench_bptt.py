@@ -38,7 +38,7 @@ import sys
 import time
 
 import torch
-from common import status_kib, timed_step, write_json
+from common import add_model_size_args, status_kib, timed_step, write_json
 
 from data_pipeline.streams import SegmentBatch
 from model import ModelConfig, build_model
@@ -216,15 +216,11 @@ def measure_speed(a) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--d-inner", type=int, default=1024)
+    add_model_size_args(p)
     p.add_argument("--seg-len", type=int, default=128)
     p.add_argument("--num-mem-tokens", type=int, default=16)
     p.add_argument("--batch", type=int, default=8, help="rows of the RMT parts")
     p.add_argument("--lm-batch", type=int, default=4, help="rows of the XL/LaMemo part")
-    p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--depths", default="1,2,4,8,16", help="k of the memory part")

@@ -33,7 +33,7 @@ import sys
 import time
 
 import torch
-from common import write_json
+from common import add_model_size_args, write_json
 
 from model import ModelConfig, build_model
 from train.evaluation.speed import compare_speed
@@ -70,11 +70,7 @@ def main(argv=None) -> int:
     p.add_argument("--mechanism", default="xl", choices=("xl", "lamemo"))
     # Default size: the "small" model of bench_model / bench_bptt (the config);
     # --quick uses the tiny one of SPEC §6.1 and configs/quickstart.yaml.
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--d-inner", type=int, default=1024)
-    p.add_argument("--vocab", type=int, default=256)
+    add_model_size_args(p)
     p.add_argument("--batch", type=int, default=4, help="rows (streams) evaluated at once")
     p.add_argument("--tgt-len", type=int, default=0, help="cached segment; 0 = L // 4")
     p.add_argument("--vanilla-tokens", type=int, default=16,

@@ -20,7 +20,7 @@ import subprocess
 import sys
 
 import torch
-from common import status_kib, timed_step
+from common import add_model_size_args, status_kib, timed_step
 
 from model import ModelConfig, build_model
 
@@ -110,15 +110,11 @@ def memory_child(args) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--n-layer", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--n-head", type=int, default=4)
-    p.add_argument("--d-inner", type=int, default=1024)
+    add_model_size_args(p)
     p.add_argument("--seg-len", type=int, default=128)
     p.add_argument("--mem-len", type=int, default=128)
     p.add_argument("--num-mem-tokens", type=int, default=16)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=9)

@@ -16,6 +16,16 @@ def status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
+def add_model_size_args(parser) -> None:
+    """The model size options every benchmark takes; defaults: the "small" model (4 layers,
+    d_model 256, 4 heads, d_inner 1024, 256 symbols) that BENCHMARKS.md reports on."""
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--n-head", type=int, default=4)
+    parser.add_argument("--d-inner", type=int, default=1024)
+    parser.add_argument("--vocab", type=int, default=256)
+
+
 def write_json(path: str | None, results: dict) -> None:
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
