@@ -67,15 +67,13 @@ def gain_curve(losses: dict, contexts: list[int], ratio: float) -> torch.Tensor:
 def recl(losses: dict, contexts: list[int], ratio: float,
          threshold: float = 0.01) -> list[tuple[int, bool]]:
     """(RECL, reached) per model; reached=False: the largest context still gained."""
+    steps = list(zip(contexts, contexts[1:], strict=False))
+    gains = [relative_gain(losses, c, c_next, ratio) for c, c_next in steps]  # each [models]
     out = []
-    n_models = next(iter(losses.values())).shape[0]
-    for i in range(n_models):
-        value, reached = contexts[-1], False
-        for c, c_next in zip(contexts, contexts[1:], strict=False):
-            if float(relative_gain(losses, c, c_next, ratio)[i]) < threshold:
-                value, reached = c, True
-                break
-        out.append((value, reached))
+    for i in range(gains[0].shape[0]):
+        first_flat = next((c for (c, _), g in zip(steps, gains, strict=True)
+                           if float(g[i]) < threshold), None)
+        out.append((contexts[-1], False) if first_flat is None else (first_flat, True))
     return out
 
 
