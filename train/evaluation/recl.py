@@ -26,7 +26,6 @@ are left out, so each scored token has a full context at every c.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -185,15 +184,3 @@ def context_grid(start: int, step: int, max_context: int) -> list[int]:
         raise ValueError(f"RECL contexts: need start >= 0, step > 0 and max_context >= "
                          f"start + step (got start {start}, step {step}, max {max_context})")
     return list(range(start, max_context + 1, step))
-
-
-def scored_span(contexts: list[int], tgt_len: int, row_len: int, max_tokens: int) -> tuple:
-    """(skip, end): leave out the first max(context) tokens (rounded up to segments)."""
-    skip = math.ceil(contexts[-1] / tgt_len) * tgt_len
-    end = ((row_len - 1) // tgt_len) * tgt_len
-    if max_tokens:
-        end = min(end, skip + math.ceil(max_tokens / tgt_len) * tgt_len)
-    if end <= skip:
-        raise ValueError(f"rows of {row_len} tokens leave nothing to score after the largest "
-                         f"context {contexts[-1]}; use fewer rows or a smaller --max-context")
-    return skip, end

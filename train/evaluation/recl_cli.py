@@ -72,6 +72,7 @@ def _run(args) -> int:
     from ..cli import _run_config
     from ..export import load_weights
     from .cli import log_to_run, pick_checkpoint
+    from .sweep import scored_window
 
     runs = []
     for run_dir in args.run_dirs:
@@ -94,7 +95,9 @@ def _run(args) -> int:
     contexts = R.context_grid(start, step, args.max_context or 10 * step)
     rows = args.rows or first_cfg.eval.batch or first_cfg.data.global_batch
     row_len = TokenStream(manifest, args.split, rows, tgt_len, 0, 1).stream_len
-    skip, end = R.scored_span(contexts, tgt_len, row_len, args.max_tokens)
+    # Leave out the first max(context) tokens (whole segments): every scored token has a
+    # full context at every c.
+    skip, end = scored_window([(tgt_len, contexts[-1])], row_len, args.max_tokens)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     names, losses = [], {c: [] for c in contexts}

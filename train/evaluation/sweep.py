@@ -59,8 +59,8 @@ def scored_window(points: list[tuple[int, int]], row_len: int,
     if end <= skip:
         raise ValueError(f"rows of {row_len} tokens leave nothing to score after skipping "
                          f"{skip} tokens (the largest memory, in whole segments of "
-                         f"{sorted({t for t, _ in points})}); sweep shorter memories or "
-                         "evaluate fewer rows (eval.batch)")
+                         f"{sorted({t for t, _ in points})}); use shorter memories (contexts) "
+                         "or fewer rows")
     return skip, end
 
 
