@@ -190,20 +190,31 @@ class EpisodeStream:
 
     def __init__(self, manifest: Manifest, split: str, global_batch: int, rank: int = 0,
                  world_size: int = 1, *, seed: int = 0, shuffle: bool = True,
-                 url_template: str | None = None):
+                 url_template: str | None = None, n_segments: int | None = None):
         if manifest.kind != "episodes":
             raise LayoutError(f"{manifest.location} holds {manifest.kind}, not task episodes")
         self.rows = rows_of_rank(global_batch, rank, world_size)
         self.global_batch, self.seed, self.shuffle = global_batch, seed, shuffle
         self.tokens, self.loss_mask, _ = read_episodes(manifest, split, url_template)
-        self.n_segments = int(manifest.extra["n_segments"])
         self.seq_len = self.tokens.shape[1] - 1
-        self.seg_len = self.seq_len // self.n_segments
+        self.task_segments = int(manifest.extra["n_segments"])  # as the task was prepared
+        self.set_segments(self.task_segments if n_segments is None else n_segments)
         self.episodes_per_epoch = self.tokens.shape[0] // global_batch
         if self.episodes_per_epoch < 1:
             raise LayoutError(f"split {split!r} has {self.tokens.shape[0]} samples, fewer "
                               f"than the global batch {global_batch}")
         self.epoch, self.episode = 0, 0
+
+    def set_segments(self, n_segments: int) -> None:
+        """Cut every sample into `n_segments` equal segments from the next episode on (a
+        segment-count curriculum trains on 1, 2, ... segments of the same samples)."""
+        if n_segments < 1 or self.seq_len % n_segments:
+            works = ", ".join(str(d) for d in range(1, self.seq_len + 1)
+                              if self.seq_len % d == 0)
+            raise LayoutError(f"cannot cut samples of {self.seq_len} positions into "
+                              f"{n_segments} equal segments; segment counts that work: {works}")
+        self.n_segments = n_segments
+        self.seg_len = self.seq_len // n_segments
 
     def _order(self, epoch: int) -> np.ndarray:
         n = self.tokens.shape[0]
@@ -228,10 +239,10 @@ class EpisodeStream:
     def __iter__(self) -> Iterator[list[SegmentBatch]]:
         """One item per episode: the list of its n_segments SegmentBatches (the trainer runs
         BPTT through the whole sample, or its last k segments, in one optimizer step)."""
-        L = self.seg_len
         while True:
             order = self._order(self.epoch)
             for e in range(self.episode, self.episodes_per_epoch):
+                L = self.seg_len  # read per episode: set_segments may change it
                 idx = order[e * self.global_batch + np.asarray(self.rows)]
                 toks = torch.from_numpy(self.tokens[idx].astype(np.int64))
                 mask = torch.from_numpy(self.loss_mask[idx])
