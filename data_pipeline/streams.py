@@ -13,6 +13,7 @@ reset flags at sample starts; sample order is a seeded permutation per epoch.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import warnings
@@ -71,6 +72,29 @@ class _RowReader:
         out = self._buf[:n]
         self._buf = self._buf[advance:]
         return out
+
+
+# Prefetch threads of TokenStream iterators that are still running. A daemon thread that is
+# inside torch when the interpreter finalizes is killed while re-taking the GIL, and the
+# forced unwind through torch's C++ frames aborts the process ("terminate called without an
+# active exception", exit 134). So every thread is stopped and joined when its iterator is
+# closed or collected, and, for iterators still alive then, at exit: atexit handlers run
+# before the interpreter starts finalizing.
+_PREFETCHERS: set[tuple[threading.Event, threading.Thread]] = set()
+PREFETCH_JOIN_TIMEOUT_S = 10.0  # one batch's read; a hung shard pipe must not hang exit
+
+
+def _stop_prefetch(stop: threading.Event, thread: threading.Thread) -> None:
+    stop.set()
+    if thread is not threading.current_thread():
+        thread.join(PREFETCH_JOIN_TIMEOUT_S)
+    _PREFETCHERS.discard((stop, thread))
+
+
+@atexit.register
+def _stop_all_prefetch() -> None:
+    for stop, thread in list(_PREFETCHERS):
+        _stop_prefetch(stop, thread)
 
 
 class TokenStream:
@@ -148,26 +172,34 @@ class TokenStream:
     def __iter__(self) -> Iterator[SegmentBatch]:
         """Batches in order from the current position; a background thread keeps up to
         `prefetch` batches ready. The position advances as batches are handed out, so
-        state_dict() is exact whenever it is called between batches."""
+        state_dict() is exact whenever it is called between batches. An iterator left
+        unfinished stops its thread when it is closed, collected, or at interpreter exit."""
         q: queue.Queue = queue.Queue(maxsize=max(1, self.prefetch))
         stop = threading.Event()
         gen = self._produce(self.epoch, self.step)
 
+        def put(item) -> bool:
+            # A timeout, not a blocking put: a consumer gone away must not strand the thread.
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
         def work():
             try:
                 for batch in gen:
-                    while not stop.is_set():
-                        try:
-                            q.put(batch, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
+                    if not put(batch):
                         return
             except BaseException as err:  # hand the error to the consumer: never a hang
-                q.put(err)
+                put(err)
+            finally:
+                gen.close()  # the shard readers close in this thread, not at exit
 
         thread = threading.Thread(target=work, daemon=True, name="memtrain-prefetch")
+        _PREFETCHERS.add((stop, thread))
         thread.start()
         try:
             while True:
@@ -180,7 +212,7 @@ class TokenStream:
                 self._reset_all = False
                 yield item
         finally:
-            stop.set()
+            _stop_prefetch(stop, thread)
 
 
 class EpisodeStream:
@@ -224,11 +256,14 @@ class EpisodeStream:
 
     def state_dict(self) -> dict:
         return {"kind": "episode_stream", "epoch": self.epoch, "episode": self.episode,
-                "seed": self.seed, "global_batch": self.global_batch}
+                "seed": self.seed, "global_batch": self.global_batch,
+                "n_segments": self.n_segments}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != "episode_stream":
             raise ValueError(f"not an episode stream state: kind {state.get('kind')!r}")
+        # The segment count a curriculum had reached (states saved before it: the task's).
+        self.set_segments(int(state.get("n_segments", self.task_segments)))
         if state["seed"] != self.seed or state["global_batch"] != self.global_batch:
             warnings.warn("episode stream seed or global batch changed: restarting the epoch",
                           stacklevel=2)
