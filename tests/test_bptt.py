@@ -1,12 +1,24 @@
 """BPTT windows (train/bptt.py) on the bare model: where gradients reach, what sliding
-re-runs, that segment checkpointing changes nothing but memory, and the LR schedules."""
+re-runs, that segment checkpointing changes nothing but memory, that the stream's reset
+flags forget the memory on exactly the flagged rows, and the LR schedules."""
 
+import hashlib
+import itertools
+import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from data_pipeline.streams import SegmentBatch
+from data_pipeline.shards import (
+    Manifest,
+    id_dtype,
+    load_manifest,
+    write_manifest,
+    write_token_split,
+)
+from data_pipeline.streams import SegmentBatch, TokenStream
 from model import ModelConfig, build_model
 from train.bptt import SlidingHistory, episode_cuts, run_window
 from train.config import load_config
@@ -140,6 +152,68 @@ def test_window_loss_is_the_token_weighted_mean_of_the_counted_segments():
         out = model(seg.tokens[:, :-1], state, targets=seg.tokens[:, 1:])
         state, total = out.state, total + out.nll.sum()
     torch.testing.assert_close(res.loss, total / (3 * 2 * L))
+
+
+def _tiny_token_manifest(tmp_path, rows: int, steps: int):
+    """A token split of exactly `rows` streams of `steps` segments of L: the epoch ends
+    after `steps` batches."""
+    n = rows * (steps * L + 1)
+    ids = np.random.default_rng(0).integers(0, V, n).astype(id_dtype(V))
+    vocab = {"kind": "synthetic", "size": V}
+    info = write_token_split(tmp_path, "train", [ids], id_dtype(V), 16, 2)
+    write_manifest(tmp_path, Manifest(
+        kind="tokens", source="test", vocab=vocab,
+        vocab_fingerprint=hashlib.sha256(json.dumps(vocab).encode()).hexdigest(),
+        vocab_size=V, dtype=str(id_dtype(V)), chunk_tokens=16, splits={"train": info}))
+    return load_manifest(tmp_path)
+
+
+@pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt"])
+def test_reset_flags_forget_the_memory_on_exactly_the_flagged_rows_across_an_epoch_end(
+        tmp_path, mechanism):
+    """The consumer side of the stream's `reset` flags: run_window over a TokenStream that
+    wraps into its next epoch twice, plus a forced reset of one row. Every row's loss in
+    every segment must equal that row run alone with a fresh memory where its flag is set
+    and with its own carried memory elsewhere; the two differ in every segment, so a
+    forgotten reset, a reset of the wrong rows or a lost memory all fail."""
+    rows, steps = 3, 3
+    stream = TokenStream(_tiny_token_manifest(tmp_path, rows, steps), "train", rows, L,
+                         prefetch=2)
+    batches = list(itertools.islice(iter(stream), 7))
+    assert [(b.epoch, b.step) for b in batches] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1),
+                                                    (1, 2), (2, 0)]
+    assert [b.reset.tolist() for b in batches] == [[t == 0] * rows for _, t in
+                                                    ((b.epoch, b.step) for b in batches)]
+    batches[5].reset = torch.tensor([False, True, False])   # a forced reset of row 1 only
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(mechanism=mechanism, vocab_size=V, n_layer=2, d_model=32,
+                                    n_head=2, d_inner=64, tgt_len=L, mem_len=L, dropout=0.0,
+                                    rmt={"num_mem_tokens": 3})).eval()
+    seen = []
+
+    def forward(tokens, state, **kw):
+        out = model(tokens, state, **kw)
+        seen.append(out.log_probs)
+        return out
+
+    # Windows [0,1] [2,3,4] [5,6]: epoch starts at 3 and 6 fall inside a window, the forced
+    # reset at 5 on a window's first segment, where the memory comes from the last window.
+    with torch.no_grad():
+        state = None
+        for window in (batches[0:2], batches[2:5], batches[5:7]):
+            state = run_window(forward, state, window, torch.device("cpu"), score=True).state
+        for b in range(rows):
+            carried = None
+            for i, seg in enumerate(batches):
+                tok = seg.tokens[b:b + 1]
+                fresh = model(tok[:, :-1], None, targets=tok[:, 1:], return_log_probs=True)
+                kept = model(tok[:, :-1], carried, targets=tok[:, 1:], return_log_probs=True)
+                if i:  # the memory changes this row's predictions far beyond the tolerance
+                    assert (kept.log_probs - fresh.log_probs).abs().max() > 1e-4, (b, i)
+                want = fresh if bool(seg.reset[b]) else kept
+                torch.testing.assert_close(seen[i][b], want.log_probs[0], rtol=0, atol=5e-6,
+                                           msg=f"row {b}, segment {i}")
+                carried = want.state
 
 
 def test_episode_cuts_align_windows_to_the_end_of_the_sample():
