@@ -1,6 +1,7 @@
 """Episodic streams: whole samples per row, reset at sample starts, seeded order, resume."""
 
 import itertools
+import tarfile
 
 import numpy as np
 import pytest
@@ -85,3 +86,16 @@ def test_corrupted_episode_shard_and_too_few_samples_fail_clearly(tmp_path):
     path.write_bytes(bytes(raw))
     with pytest.raises(ShardError, match=r"train-000000\.tar.*sample 0"):
         EpisodeStream(m, "train", 4)
+
+
+def test_an_episode_shard_cut_at_a_tar_member_boundary_is_refused_naming_it(tmp_path):
+    m = make_episodes(tmp_path)
+    path = tmp_path / m.split("train").shards[1].path
+    whole = path.read_bytes()
+    with tarfile.open(path) as tar:
+        cuts = [member.offset for member in tar.getmembers()[1:]]
+    assert len(cuts) == 10 * 4 - 1  # 10 samples x 4 members
+    for cut in cuts:
+        path.write_bytes(whole[:cut])
+        with pytest.raises(ShardError, match=r"train-000001\.tar.*truncated"):
+            EpisodeStream(m, "train", 4)

@@ -3,6 +3,7 @@
 import itertools
 import os
 import shutil
+import tarfile
 import warnings
 from pathlib import Path
 
@@ -149,6 +150,30 @@ def test_truncated_shard_fails_naming_the_shard(tmp_path):
     path.write_bytes(path.read_bytes()[: os.path.getsize(path) // 2])
     with pytest.raises(ShardError, match=r"train-000002\.tar"):
         read_all(m)
+
+
+def member_boundaries(path: Path) -> list[int]:
+    """Byte offsets where a tar member starts: cutting the file there leaves only whole
+    members (a copy interrupted between two files of the archive)."""
+    with tarfile.open(path) as tar:
+        return [member.offset for member in tar.getmembers()[1:]]
+
+
+def test_a_shard_cut_at_any_tar_member_boundary_is_refused_naming_it(tmp_path):
+    # Every cut loses whole chunks (between two member groups) or half a group (between a
+    # chunk's meta.json and tokens.npy); the tar reader itself sees a clean end of archive.
+    # No cut may yield fewer tokens: the reader must fail, naming the shard.
+    m = make_corpus(tmp_path)
+    path = tmp_path / m.split("train").shards[2].path
+    whole = path.read_bytes()
+    cuts = member_boundaries(path)
+    assert len(cuts) == 5  # 3 chunks x (meta.json, tokens.npy), minus the first member
+    for cut in cuts:
+        path.write_bytes(whole[:cut])
+        with pytest.raises(ShardError, match=r"train-000002\.tar.*truncated"):
+            read_all(m)
+    path.write_bytes(whole)
+    assert sum(b.tokens.numel() for b in read_all(m)) > 0
 
 
 def test_missing_shard_fails_naming_the_file(tmp_path):
