@@ -28,6 +28,7 @@ BPTT_MODES = ("window", "sliding")
 SCHEDULES = ("cosine", "linear", "constant", "plateau")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw")
+CURRICULUM_ADVANCE = ("steps", "accuracy")
 
 
 @dataclass
@@ -62,6 +63,24 @@ class BPTTConfig:
     checkpoint_segments: bool = False
     # sliding only: also count the re-run segments' losses (the RMT code's --bptt_bp).
     loss_on_rerun: bool = False
+
+
+@dataclass
+class CurriculumConfig:
+    """Segment-count curriculum for task data. The RMT follow-up (Bulatov et al. 2023, "Scaling
+    Transformer to 1M tokens and beyond with RMT", §3) reports that training straight on many
+    segments fails and growing their number works. Here every stage cuts the same samples into
+    more, shorter segments, so the memory has to carry more of each sample from stage to
+    stage; the last stage is the task's own segment count."""
+
+    # Segment counts, increasing, e.g. [1, 2, 3, 6]; each must divide the task's positions.
+    # Empty: no curriculum (the task's own segment count from the first step).
+    segments: list[int] = field(default_factory=list)
+    # "steps": next stage every `every` optimizer steps; "accuracy": next stage at the first
+    # validation (eval.every) whose answer accuracy reaches `threshold`.
+    advance: str = "steps"
+    every: int = 0
+    threshold: float = 0.95
 
 
 @dataclass
@@ -132,6 +151,7 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     bptt: BPTTConfig = field(default_factory=BPTTConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
@@ -176,6 +196,22 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(b.depth >= 0, "bptt.depth", f"must be >= 0, got {b.depth}")
     _check(b.mode in BPTT_MODES, "bptt.mode", f"unknown {b.mode!r}; choose "
            f"{' or '.join(BPTT_MODES)}")
+
+    c = cfg.curriculum
+    if c.segments:
+        _check(all(n >= 1 for n in c.segments) and c.segments == sorted(set(c.segments)),
+               "curriculum.segments", f"must be increasing segment counts >= 1, got "
+               f"{c.segments}")
+        _check(c.advance in CURRICULUM_ADVANCE, "curriculum.advance", f"unknown "
+               f"{c.advance!r}; choose {' or '.join(CURRICULUM_ADVANCE)}")
+        if c.advance == "steps":
+            _check(c.every > 0, "curriculum.every", "advance 'steps' needs every > 0 "
+                   f"(steps per stage), got {c.every}")
+        else:
+            _check(0 < c.threshold <= 1, "curriculum.threshold", f"must be in (0, 1], got "
+                   f"{c.threshold}")
+            _check(cfg.eval.every > 0, "eval.every", "curriculum advance 'accuracy' needs "
+                   "periodic validation (eval.every > 0)")
 
     o = cfg.optim
     _check(o.name in OPTIMIZERS, "optim.name", f"unknown {o.name!r}; choose "

@@ -123,6 +123,11 @@ class LRSchedule:
             return True
         return False
 
+    def restart_patience(self) -> None:
+        """Forget the best validation loss (a curriculum stage makes the task harder, so the
+        old best would count every later evaluation as a plateau)."""
+        self.best, self.bad_evals = math.inf, 0
+
     def get_last_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
 

@@ -104,7 +104,25 @@ def open_data(cfg: RunConfig, rank: int):
         if cfg.bptt.mode == "sliding":
             raise ConfigError("bptt.mode", "sliding applies to token streams; task samples "
                               "run BPTT through the sample (bptt.depth limits it)")
+    _check_curriculum(cfg.curriculum.segments, manifest, cfg.data.path)
     return manifest
+
+
+def _check_curriculum(stages: list[int], manifest, path: str) -> None:
+    if not stages:
+        return
+    if manifest.kind != "episodes":
+        raise ConfigError("curriculum.segments", f"a segment curriculum needs task data "
+                          f"(memtrain tasks); {path} holds a token stream")
+    n_task = int(manifest.extra["n_segments"])
+    positions = manifest.chunk_tokens - 1
+    if stages[-1] != n_task:
+        raise ConfigError("curriculum.segments", f"must end at the task's {n_task} segments "
+                          f"({path}), got {stages}")
+    bad = [n for n in stages if positions % n]
+    if bad:
+        raise ConfigError("curriculum.segments", f"{bad} do not divide the task's {positions} "
+                          f"positions into equal segments")
 
 
 def _stream(cfg: RunConfig, manifest, rank: int, world: int):
@@ -164,9 +182,15 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     state = TrainState(history=SlidingHistory(cfg.bptt.depth if cfg.bptt.mode == "sliding"
                                               else 0))
     if info is not None:
-        restore(info, engine, state, stream, env, device)
+        restore(info, engine, state, stream, env, device)  # the curriculum stage included
         if env.is_main:
             print(f"resumed from {info.path} at step {state.step}", flush=True)
+    elif cfg.curriculum.segments:
+        stream.set_segments(cfg.curriculum.segments[0])
+    if cfg.curriculum.segments and stream.n_segments not in cfg.curriculum.segments:
+        raise ConfigError("curriculum.segments", f"the checkpoint was training on "
+                          f"{stream.n_segments} segments per sample, which is not a stage of "
+                          f"{cfg.curriculum.segments}")
     tracker = Tracker(run_dir, enabled=env.is_main, experiment=cfg.tracking.experiment,
                       run_name=cfg.name, tracking_uri=cfg.tracking.uri or None,
                       params={**cfg.to_dict(), "ds": ds_config,
@@ -268,9 +292,13 @@ class _Loop:
         cfg = self.cfg
         split = split or (cfg.eval.split if final else cfg.data.valid_split)
         proto = protocol_for(cfg, split=split)
+        # During a curriculum, validation scores the stage being trained; the final
+        # evaluation always scores the task's own segment count.
+        stage = self.stream.n_segments if self.episodic and not final else None
         report = evaluate(self.engine, self.engine.module, self.manifest, proto, self.env.rank,
                           self.env.world_size, self.device,
-                          url_template=cfg.data.url_template, seed=cfg.data.seed)
+                          url_template=cfg.data.url_template, seed=cfg.data.seed,
+                          n_segments=stage)
         prefix = "final" if final else "valid"
         metrics = {f"{prefix}_loss": report["loss"], f"{prefix}_bpc": report["bpc"],
                    f"{prefix}_ppl": report["ppl"]}
@@ -281,7 +309,26 @@ class _Loop:
             print(f"[{prefix} step {self.state.step}] {headline(report)}", flush=True)
         if not final and self.schedule.report(report["loss"]) and self.env.is_main:
             print(f"plateau: lr lowered to {self.schedule.get_last_lr()[0]:.3g}", flush=True)
+        c = cfg.curriculum
+        if not final and c.segments and c.advance == "accuracy" and \
+                report.get("accuracy", 0.0) >= c.threshold:
+            self.advance_curriculum()
         return report
+
+    def advance_curriculum(self) -> None:
+        """Next stage of the segment curriculum, if any (every rank at the same step: the
+        step count and the all-reduced validation accuracy are the same everywhere)."""
+        stages = self.cfg.curriculum.segments
+        i = stages.index(self.stream.n_segments)
+        if i + 1 == len(stages):
+            return
+        self.stream.set_segments(stages[i + 1])
+        self.schedule.restart_patience()
+        # Logged at the first step that trains on the new count (as the per-step metric is).
+        self.tracker.log_metrics({"curriculum_segments": stages[i + 1]}, self.state.step + 1)
+        if self.env.is_main:
+            print(f"curriculum: {stages[i]} -> {stages[i + 1]} segments per sample after "
+                  f"step {self.state.step}", flush=True)
 
     def final_reports(self) -> None:
         cfg = self.cfg
@@ -321,6 +368,8 @@ class _Loop:
                            "lr": self.schedule.get_last_lr()[0],
                            "tokens_per_s": (st.tokens_seen - tokens_at_log) / (now - last_log),
                            "peak_mem_mb": peak_memory_mb(self.device)}
+                if self.episodic:
+                    metrics["curriculum_segments"] = self.stream.n_segments
                 norm = self.engine.get_global_grad_norm()
                 if norm is not None:
                     metrics["grad_norm"] = float(norm)
@@ -331,6 +380,9 @@ class _Loop:
                 progress.update(st.step, None)
             if cfg.eval.every and st.step % cfg.eval.every == 0 and st.step < cfg.max_steps:
                 self.validate()
+            c = cfg.curriculum
+            if c.segments and c.advance == "steps" and st.step % c.every == 0:
+                self.advance_curriculum()
             if stop or (cfg.save_every and st.step % cfg.save_every == 0):
                 self.save()
                 saved_at = st.step
@@ -355,8 +407,7 @@ class _Loop:
         """Training tokens one optimizer step consumes over all ranks (new segments only)."""
         cfg = self.cfg
         if self.episodic:
-            return cfg.data.global_batch * cfg.deepspeed.grad_accum * \
-                cfg.model.tgt_len * self.stream.n_segments
+            return cfg.data.global_batch * cfg.deepspeed.grad_accum * self.stream.seq_len
         return cfg.data.global_batch * cfg.segments_per_step() * cfg.model.tgt_len
 
 

@@ -81,9 +81,11 @@ def headline(report: dict) -> str:
 @torch.no_grad()
 def evaluate(forward, model, manifest: Manifest, proto: EvalProtocol, rank: int,
              world_size: int, device: torch.device, *, url_template: str | None = None,
-             seed: int = 0) -> dict:
+             seed: int = 0, n_segments: int | None = None) -> dict:
     """Score `proto.split`. `forward` is the engine (ZeRO-3 gathers parameters in its hooks)
-    or the bare model; `model` is the module whose lengths are switched for the protocol."""
+    or the bare model; `model` is the module whose lengths are switched for the protocol.
+    n_segments: cut task samples into this many segments (a curriculum stage) instead of the
+    task's own count."""
     saved = model.lengths
     was_training = model.training
     model.set_lengths(mem_len=proto.mem_len, clamp_len=proto.clamp_len,
@@ -93,7 +95,7 @@ def evaluate(forward, model, manifest: Manifest, proto: EvalProtocol, rank: int,
     try:
         if manifest.kind == "episodes":
             sums = _episodes(forward, manifest, proto, rank, world_size, device, seed,
-                             url_template)
+                             url_template, n_segments)
         else:
             sums = _stream(forward, manifest, proto, rank, world_size, device, url_template)
     finally:
@@ -131,9 +133,11 @@ def _stream(forward, manifest, proto, rank, world_size, device, url_template):
     return [nll, n, 0]
 
 
-def _episodes(forward, manifest, proto, rank, world_size, device, seed, url_template):
+def _episodes(forward, manifest, proto, rank, world_size, device, seed, url_template,
+              n_segments):
     stream = EpisodeStream(manifest, proto.split, proto.batch, rank, world_size, seed=seed,
-                           shuffle=False, url_template=url_template or None)
+                           shuffle=False, url_template=url_template or None,
+                           n_segments=n_segments)
     n_batches = stream.episodes_per_epoch
     if proto.max_segments:
         n_batches = min(n_batches, max(1, proto.max_segments // stream.n_segments))

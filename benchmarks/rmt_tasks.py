@@ -1,0 +1,132 @@
+"""The RMT memory-task table (docs/rmt.md): every row is one `memtrain train` run through the
+full engine (DeepSpeed, BPTT windows, checkpoints, MLflow experiment `rmt-tasks`).
+
+    .venv/bin/python benchmarks/rmt_tasks.py                 # the whole table, 2 runs at once
+    .venv/bin/python benchmarks/rmt_tasks.py --only copy-s3-rmt,copy-s3-baseline
+
+Each row prints the command it ran; the task data is generated first if missing
+(`memtrain tasks ...`, 20k train / 500 valid / 2k test samples). Results (test accuracy
+on the answer positions, teacher-forced; steps; wall time) go to
+benchmarks/results/rmt_tasks.json and are printed as a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MEMTRAIN = str(ROOT / ".venv" / "bin" / "memtrain")
+SIZES = ["--train-size", "20000", "--valid-size", "500", "--test-size", "2000"]
+
+# task data: name -> `memtrain tasks` arguments (T = positions per sample)
+DATA = {
+    **{f"copy8-s{n}": ["copy", "--src-len", "8", "--n-segments", str(n)] for n in (2, 3, 4, 6)},
+    **{f"reverse12-s{n}": ["reverse", "--src-len", "12", "--n-segments", str(n)]
+       for n in (2, 3, 4)},
+    "ar5-s3": ["associative_retrieval", "--param", "n_pairs=5", "--n-segments", "3"],
+    "copy24-s6": ["copy", "--src-len", "24", "--n-segments", "6"],
+}
+SEG_LEN = {"copy8-s2": 12, "copy8-s3": 8, "copy8-s4": 6, "copy8-s6": 4, "reverse12-s2": 12,
+           "reverse12-s3": 8, "reverse12-s4": 6, "ar5-s3": 4, "copy24-s6": 12}
+
+
+def rmt(data: str, **extra) -> list[str]:
+    """Overrides for an RMT with m = segment length (as in the paper) on `data`."""
+    seg = SEG_LEN[data]
+    return [f"data.path=data/{data}", f"model.tgt_len={seg}",
+            f"model.rmt.num_mem_tokens={seg}", *[f"{k}={v}" for k, v in extra.items()]]
+
+
+def xl(data: str, mem_len: int) -> list[str]:
+    """The same backbone as Transformer-XL with a cache of mem_len (0: no memory at all)."""
+    return [f"data.path=data/{data}", f"model.tgt_len={SEG_LEN[data]}", "model.mechanism=xl",
+            f"model.mem_len={mem_len}", "bptt.depth=0"]
+
+
+# name -> (config, data, overrides, what the row shows)
+ROWS: dict[str, tuple[str, str, list[str], str]] = {}
+for n in (2, 3, 4):
+    ROWS[f"copy-s{n}-rmt"] = ("copy-rmt-cpu", f"copy8-s{n}", rmt(f"copy8-s{n}"), "RMT, full BPTT")
+    ROWS[f"reverse-s{n}-rmt"] = ("reverse-rmt-cpu", f"reverse12-s{n}", rmt(f"reverse12-s{n}"),
+                                 "RMT, full BPTT")
+ROWS["ar-s3-rmt"] = ("ar-rmt-cpu", "ar5-s3", rmt("ar5-s3"), "RMT, full BPTT")
+for task, cfg, data in (("copy", "copy-rmt-cpu", "copy8-s4"),
+                        ("reverse", "reverse-rmt-cpu", "reverse12-s4"),
+                        ("ar", "ar-rmt-cpu", "ar5-s3")):
+    tag = data.split("-")[1]
+    ROWS[f"{task}-{tag}-baseline"] = (cfg, data, xl(data, 0), "no memory (XL, mem_len 0)")
+    ROWS[f"{task}-{tag}-xl"] = (cfg, data, xl(data, SEG_LEN[data]),
+                                f"Transformer-XL, cache {SEG_LEN[data]} (= segment)")
+for k in (0, 1, 2):
+    ROWS[f"copy-s4-bptt{k}"] = ("copy-rmt-cpu", "copy8-s4", rmt("copy8-s4", **{"bptt.depth": k}),
+                                f"RMT, BPTT depth {k}")
+
+
+def run_row(name: str, max_steps: int | None) -> dict:
+    config, data, overrides, what = ROWS[name]
+    if not (ROOT / "data" / data / "manifest.json").exists():
+        subprocess.run([MEMTRAIN, "tasks", *DATA[data], *SIZES, "--out", f"data/{data}"],
+                       cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    cmd = [MEMTRAIN, "train", "--config", config, *overrides, f"name=rmt-{name}",
+           "tracking.experiment=rmt-tasks", "--no-resume"]
+    if max_steps:
+        cmd.append(f"max_steps={max_steps}")
+    shown = " ".join(["memtrain", *cmd[1:]])
+    print(f"[{name}] {shown}", flush=True)
+    run_dir = ROOT / "runs" / f"rmt-{name}"
+    if run_dir.exists():
+        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    (ROOT / "runs").mkdir(exist_ok=True)
+    (ROOT / "runs" / f"rmt-{name}.log").write_text(proc.stdout + proc.stderr)
+    row = {"name": name, "what": what, "data": data, "command": shown,
+           "exit": proc.returncode, "seconds": round(seconds)}
+    if proc.returncode == 0:
+        report = json.loads((run_dir / "eval_report.json").read_text())
+        row.update(accuracy=report["main"]["accuracy"], loss=report["main"]["loss"],
+                   steps=report["step"])
+        row["valid_accuracy"] = [json.loads(line).get("valid_accuracy") for line in
+                                 (run_dir / "metrics.jsonl").read_text().splitlines()
+                                 if "valid_accuracy" in line]
+    print(f"[{name}] exit {proc.returncode}, accuracy {row.get('accuracy')}, "
+          f"{seconds:.0f} s", flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", help="comma-separated row names (default: all): "
+                   + ", ".join(ROWS))
+    p.add_argument("--parallel", type=int, default=2, help="runs at once (1 thread each)")
+    p.add_argument("--max-steps", type=int, help="override every config's max_steps")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "rmt_tasks.json"))
+    args = p.parse_args(argv)
+    names = args.only.split(",") if args.only else list(ROWS)
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        p.error(f"unknown row(s) {', '.join(unknown)}; known: {', '.join(ROWS)}")
+    with ThreadPoolExecutor(args.parallel) as pool:
+        rows = list(pool.map(lambda n: run_row(n, args.max_steps), names))
+    out = Path(args.out)
+    old = json.loads(out.read_text()) if out.exists() else {}
+    old.update({r["name"]: r for r in rows})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(old, indent=1))
+    print("| run | model | test accuracy | steps | wall s |\n|---|---|---|---|---|")
+    for r in rows:
+        acc = f"{r['accuracy']:.3f}" if "accuracy" in r else f"exit {r['exit']}"
+        print(f"| {r['name']} | {r['what']} | {acc} | {r.get('steps', '-')} | {r['seconds']} |")
+    return 0 if all(r["exit"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
