@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     p.add_argument("--attn-lens", default="128,256,512,800", help="attention lengths L")
     p.add_argument("--mechanism", default="xl", choices=("xl", "lamemo"))
     # Default size: the "small" model of bench_model / bench_bptt (the config);
-    # --quick uses the tiny one of SPEC §6.1 and configs/quickstart.yaml.
+    # --quick uses the tiny model of configs/quickstart.yaml.
     add_model_size_args(p)
     p.add_argument("--batch", type=int, default=4, help="rows (streams) evaluated at once")
     p.add_argument("--tgt-len", type=int, default=0, help="cached segment; 0 = L // 4")

@@ -67,12 +67,18 @@ for k in (0, 1, 2):
     ROWS[f"copy-s4-bptt{k}"] = ("copy-rmt-cpu", "copy8-s4", rmt("copy8-s4", **{"bptt.depth": k}),
                                 f"RMT, BPTT depth {k}")
 
+# Segment curriculum (RMT follow-up, Bulatov et al. 2023): the same steps on copy in 6
+# segments of 4 (m = 4), straight vs growing 1 -> 2 -> 3 -> 6 segments on valid accuracy.
+_LONG = rmt("copy8-s6", max_steps=1500, **{"eval.every": 50})
+ROWS["copy-s6-plain"] = ("copy-rmt-cpu", "copy8-s6", _LONG,
+                         "RMT, full BPTT, 6 segments from the start")
+ROWS["copy-s6-curriculum"] = ("copy-rmt-cpu", "copy8-s6", _LONG + [
+    "curriculum.segments=[1,2,3,6]", "curriculum.advance=accuracy",
+    "curriculum.threshold=0.95"], "RMT, full BPTT, curriculum 1-2-3-6 segments")
+
 
 def run_row(name: str, max_steps: int | None) -> dict:
     config, data, overrides, what = ROWS[name]
-    if not (ROOT / "data" / data / "manifest.json").exists():
-        subprocess.run([MEMTRAIN, "tasks", *DATA[data], *SIZES, "--out", f"data/{data}"],
-                       cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     cmd = [MEMTRAIN, "train", "--config", config, *overrides, f"name=rmt-{name}",
            "tracking.experiment=rmt-tasks", "--no-resume"]
     if max_steps:
@@ -114,6 +120,10 @@ def main(argv=None) -> int:
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         p.error(f"unknown row(s) {', '.join(unknown)}; known: {', '.join(ROWS)}")
+    for data in sorted({ROWS[n][1] for n in names}):  # before the parallel runs share it
+        if not (ROOT / "data" / data / "manifest.json").exists():
+            subprocess.run([MEMTRAIN, "tasks", *DATA[data], *SIZES, "--out", f"data/{data}"],
+                           cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     with ThreadPoolExecutor(args.parallel) as pool:
         rows = list(pool.map(lambda n: run_row(n, args.max_steps), names))
     out = Path(args.out)

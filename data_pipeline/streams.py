@@ -1,6 +1,6 @@
 """Ordered per-rank segment streams with exact resume.
 
-Streaming regime (language modelling, DESIGN.md "Two training regimes"): a split of N tokens
+Streaming regime (language modelling, README "Data: shards and ordered streams"): a split of N tokens
 is cut into B contiguous streams of S = N // B tokens (B = global batch rows). At step t, row b
 reads tokens [b*S + t*L, b*S + t*L + L + 1) (inputs and shifted targets); rank r owns rows
 [r*b_local, (r+1)*b_local). Nothing is shuffled inside a stream, ever. The read position is a

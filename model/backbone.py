@@ -39,7 +39,7 @@ def causal_allowed(n_q: int, m_now: int, length: torch.Tensor | None, lengths: L
     Query i sits at m_now + i on the key axis [memory ∘ segment]; key j is allowed if
     j <= m_now + i (causal), if the memory entry is valid for that row (documents reset),
     and, with same_length, if the distance is below mem_len so that every query sees exactly
-    mem_len keys itself included (the XL code's triu + tril mask, SPEC §1.8).
+    mem_len keys itself included (the XL code's triu + tril mask; XL §3.3 evaluation).
     """
     n_k = m_now + n_q
     dist = (m_now + torch.arange(n_q, device=device))[:, None] - torch.arange(n_k, device=device)

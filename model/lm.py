@@ -138,7 +138,7 @@ class MemoryLM(nn.Module):
         opts = self.cfg.rmt
         if self.cfg.mechanism == "rmt" and opts.mem_loss_weight > 0:
             # RMT §3.4: each write output predicts a fixed reserved token, weight 0.01 in
-            # the paper; which outputs are predicted is unspecified (SPEC §3.4 [I]).
+            # the paper; which outputs are predicted is unspecified (our choice: every write row).
             write = new_state.tokens.reshape(-1, hidden.shape[-1])
             target = torch.full((write.shape[0],), opts.mem_loss_token, device=write.device)
             out.aux_loss = self.softmax(write, target).mean()

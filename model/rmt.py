@@ -7,7 +7,7 @@ The same m memory vectors are placed before and after the segment (paper §3, Eq
     H^mem_{τ+1} := H^write_τ
 
 Memory rows see their blocks in full; causality applies only among sequence tokens (the
-mask table of SPEC §3.2). The memory is NOT detached here: gradients flow into earlier
+mask rule of RMT §3, written out as a table in tests/test_rmt.py). The memory is NOT detached here: gradients flow into earlier
 segments until the caller detaches the state, which is how it sets the BPTT depth k.
 With mem_len > 0 an XL cache of all positions' layer inputs is kept as well (Tr-XL + RMT,
 §3.4), and `read_mem_from_cache` lets memory rows read it.
@@ -28,7 +28,7 @@ from .positional import distance_list
 def rmt_allowed(n_mem: int, n_tok: int, cache_len: int, cache_valid: torch.Tensor | None,
                 read_mem_from_cache: bool, device) -> torch.Tensor:
     """bool [B|1, 2m+L, cache+2m+L]: rows [read | tokens | write], columns [cache | read |
-    tokens | write], True = may attend (SPEC §3.2 table)."""
+    tokens | write], True = may attend (RMT §3; the table in tests/test_rmt.py)."""
     m, n_q = n_mem, 2 * n_mem + n_tok
     allowed = torch.zeros(n_q, cache_len + n_q, dtype=torch.bool, device=device)
     read, tok, write = slice(0, m), slice(m, m + n_tok), slice(m + n_tok, n_q)

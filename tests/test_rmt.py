@@ -6,7 +6,7 @@ from reference import tiny_model
 
 from model.rmt import rmt_allowed
 
-# SPEC §3.2 table for m = 2 memory tokens, L = 3 tokens, an XL cache of 2.
+# RMT §3 as a table, for m = 2 memory tokens, L = 3 tokens, an XL cache of 2.
 # Rows: read r0 r1 | tokens t0 t1 t2 | write w0 w1. Columns: cache c0 c1 | same as rows.
 # 1 = may attend. Memory blocks see each other in full; tokens are causal among themselves;
 # nothing but the write block sees the write block.

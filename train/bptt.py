@@ -3,8 +3,8 @@
 A window of segments is run forward with the memory threaded through and its losses
 summed; the caller makes one backward for the whole window. ZeRO-2/3 and DDP reduce
 gradients from hooks that fire once per backward, so a backward per segment would reduce
-shared weights several times (ENVIRONMENT.md: silently wrong at ZeRO-1/2, a crash at
-ZeRO-3). Only RMT's memory carries gradient between segments; XL and LaMemo states come out
+shared weights several times (probed on 2 CPU ranks: silently wrong at ZeRO-1/2, a crash
+at ZeRO-3). Only RMT's memory carries gradient between segments; XL and LaMemo states come out
 of the model detached, so for them a window only batches k+1 steps into one update.
 
 Two ways to cut the stream into windows (`bptt.mode`):
@@ -15,7 +15,7 @@ Two ways to cut the stream into windows (`bptt.mode`):
              oldest of them was new, then the new segment; only the new segment's loss counts
              (unless loss_on_rerun), and every loss reaches k segments back (RMT LM code).
 
-`Window` is what the engine runs; `SlidingHistory` keeps the saved inputs and memories,
+`run_window` is what the engine runs; `SlidingHistory` keeps the saved inputs and memories,
 which are part of the resumable training state.
 """
 
@@ -107,7 +107,7 @@ def _hits(out, targets: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor
 def episode_cuts(n_segments: int, depth: int) -> frozenset:
     """Where to detach inside one task sample so gradients reach at most `depth` segments
     back: windows of depth+1 segments aligned to the END of the sample, where the answer is
-    (SPEC §3.3: full BPTT within an example when depth >= n_segments - 1)."""
+    (the RMT code: full BPTT within an example when depth >= n_segments - 1)."""
     span = depth + 1
     return frozenset(i for i in range(1, n_segments) if (n_segments - i) % span == 0)
 

@@ -41,7 +41,7 @@ class DataConfig:
     train_split: str = "train"
     valid_split: str = "valid"
     test_split: str = "test"
-    # B: stream rows summed over all ranks (DESIGN "Two training regimes"); each rank gets
+    # B: stream rows summed over all ranks (README "Data: shards and ordered streams"); each rank gets
     # global_batch / world_size rows, which is also DeepSpeed's micro batch per GPU.
     global_batch: int = 16
     url_template: str = ""       # e.g. "pipe:aws s3 cp s3://bucket/enwik8/{shard} -"
@@ -104,7 +104,7 @@ class OptimConfig:
 class EvalConfig:
     every: int = 0               # validate every N optimizer steps (0 = only at the end)
     split: str = "valid"         # split of the final evaluation (valid or test)
-    # The papers evaluate with other lengths than they train with (XL §3.3, SPEC §1.8).
+    # The papers evaluate with other lengths than they train with (XL §3.3, §4.5).
     # 0 / -1 / None mean "as in training".
     tgt_len: int = 0
     mem_len: int = -1

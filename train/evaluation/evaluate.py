@@ -1,6 +1,6 @@
 """Evaluation: bpc / ppl of a split with the memory carried, under a stated protocol.
 
-The papers evaluate with other lengths than they train with (XL §3.3, SPEC §1.8: a shorter
+The papers evaluate with other lengths than they train with (XL §3.3 and §4.5: a shorter
 tgt_len, a much longer mem_len, clamp_len, same_length), so every number leaves here with the
 protocol that produced it. Streams are read exactly as in training (contiguous rows, memory
 carried from segment to segment); the first `skip_segments` of every row can be left out of
