@@ -44,7 +44,8 @@ class RMTOptions:
 
     # m: memory tokens placed as a read block before and a write block after the segment.
     num_mem_tokens: int = 10
-    # Let memory rows attend to the XL cache (RMT §3; tests/test_rmt.py has the table); off in the LM code.
+    # Let memory rows attend to the XL cache (RMT §3; the table is in tests/test_rmt.py); off
+    # in the LM code.
     read_mem_from_cache: bool = False
     # Auxiliary loss of §3.4 (Tr-XL + RMT): each write output predicts `mem_loss_token`.
     mem_loss_weight: float = 0.0

@@ -7,8 +7,9 @@ The same m memory vectors are placed before and after the segment (paper §3, Eq
     H^mem_{τ+1} := H^write_τ
 
 Memory rows see their blocks in full; causality applies only among sequence tokens (the
-mask rule of RMT §3, written out as a table in tests/test_rmt.py). The memory is NOT detached here: gradients flow into earlier
-segments until the caller detaches the state, which is how it sets the BPTT depth k.
+mask rule of RMT §3, written out as a table in tests/test_rmt.py). The memory is NOT
+detached here: gradients flow into earlier segments until the caller detaches the state,
+which is how it sets the BPTT depth k.
 With mem_len > 0 an XL cache of all positions' layer inputs is kept as well (Tr-XL + RMT,
 §3.4), and `read_mem_from_cache` lets memory rows read it.
 """

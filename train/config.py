@@ -41,8 +41,8 @@ class DataConfig:
     train_split: str = "train"
     valid_split: str = "valid"
     test_split: str = "test"
-    # B: stream rows summed over all ranks (README "Data: shards and ordered streams"); each rank gets
-    # global_batch / world_size rows, which is also DeepSpeed's micro batch per GPU.
+    # B: stream rows summed over all ranks (README "Data: shards and ordered streams"); each
+    # rank gets global_batch / world_size rows, which is also DeepSpeed's micro batch per GPU.
     global_batch: int = 16
     url_template: str = ""       # e.g. "pipe:aws s3 cp s3://bucket/enwik8/{shard} -"
     prefetch: int = 8            # batches the background reader keeps ready
