@@ -1,11 +1,12 @@
 """Ordered per-rank segment streams with exact resume.
 
-Streaming regime (language modelling; README "Data: shards and ordered streams"): a split
-of N tokens is cut into B contiguous streams of S = N // B tokens (B = global batch rows).
-At step t, row b reads tokens [b*S + t*L, b*S + t*L + L + 1) (inputs and shifted targets); rank r owns rows
-[r*b_local, (r+1)*b_local). Nothing is shuffled inside a stream, ever. The read position is a
-function of (step, layout) alone, so the state is three integers, resume is exact, and any
-world size dividing B reads the same rows: the union over ranks equals the 1-rank reader.
+Streaming regime (language modelling; README "Data: shards and ordered streams"): a split of
+N tokens is cut into B contiguous streams of S = N // B tokens (B = global batch rows). At
+step t, row b reads tokens [b*S + t*L, b*S + t*L + L + 1) (inputs and shifted targets); rank
+r owns rows [r*b_local, (r+1)*b_local). Nothing is shuffled inside a stream, ever. The read
+position is a function of (step, layout) alone, so the state is three integers, resume is
+exact, and any world size dividing B reads the same rows: the union over ranks equals the
+1-rank reader.
 
 Episodic regime (algorithmic tasks): each row takes whole samples, segment by segment, with
 reset flags at sample starts; sample order is a seeded permutation per epoch.

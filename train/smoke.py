@@ -4,10 +4,11 @@ Plain PyTorch (one process, AdamW), no DeepSpeed: it checks that every mechanism
 carries its memory, in about a minute on two CPU cores. The full engine is `memtrain train`.
 
 The stream is [A | filler | A] blocks (data_pipeline/synthetic.py), shrunk so that a tiny
-model learns it in seconds: A is 12 symbols, the filler 4, so every repeated token sits exactly one segment (16
-tokens) back and only a memory can see it. The metric is the loss on the repeated tokens of a
-held-out stream, read with the memory carried; the no-memory baseline (Transformer-XL with
-mem_len 0, "Transformer + RPE") is printed beside it. Chance is ln(16) = 2.77 nats.
+model learns it in seconds: A is 12 symbols, the filler 4, so every repeated token sits
+exactly one segment (16 tokens) back and only a memory can see it. The metric is the loss on
+the repeated tokens of a held-out stream, read with the memory carried; the no-memory
+baseline (Transformer-XL with mem_len 0, "Transformer + RPE") is printed beside it. Chance
+is ln(16) = 2.77 nats.
 """
 
 from __future__ import annotations
