@@ -294,7 +294,8 @@ def _expand(data_dir: Path, patterns: list[str], split: str) -> list[Path]:
         full = pat if os.path.isabs(pat) else str(data_dir / pat)
         hits = sorted(Path(p) for p in glob.glob(full, recursive=True) if os.path.isfile(p))
         if not hits:
-            raise FileNotFoundError(f"text corpus, {split}: no file matches {full!r}")
+            where = "" if os.path.isabs(pat) else f" (relative to {data_dir.absolute()})"
+            raise FileNotFoundError(f"text corpus, {split}: no file matches {pat!r}{where}")
         paths.extend(hits)
     return [_check_file(p) for p in dict.fromkeys(paths)]
 

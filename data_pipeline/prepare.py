@@ -3,38 +3,58 @@
     memtrain prepare --corpus enwik8 --data-dir data/raw --out data/enwik8 [--download]
     memtrain prepare --corpus text --train 'books/*.txt' --tokenizer bpe --out data/books
     memtrain tasks copy --src-len 24 --n-segments 3 --out data/copy24
+
+Relative --train/--valid/--test files and globs are found from the working directory (or
+from --data-dir when it is given). An error prints one line and exits with code 2 (a bad
+option, value or input file) or 1 (a failed download or write).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
-from .shards import Manifest, id_dtype, verify_split, write_episode_split, write_manifest
+from memtrain.cli import CommandParser, error_line
+
+from .shards import (
+    Manifest,
+    ShardError,
+    id_dtype,
+    verify_split,
+    write_episode_split,
+    write_manifest,
+)
 from .shards import write_token_split as _write_tokens
+
+DEFAULT_DATA_DIR = "data/raw"  # benchmarks' raw files
 
 
 def _out_dir(path: str) -> Path:
     out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # the bare "[Errno 2] ... '/a'" would not say it is --out
+        raise type(err)(f"cannot create the --out folder {out}: {err.strerror or err}") from None
     return out
 
 
 def prepare_corpus(args) -> Manifest:
     from .corpora import open_corpus
 
-    files = None
-    if args.train:
-        files = {"train": args.train}
-        if args.valid:
-            files["valid"] = args.valid
-        if args.test:
-            files["test"] = args.test
-    corpus = open_corpus(args.corpus, args.data_dir, download=args.download,
+    files = {s: getattr(args, s) for s in ("train", "valid", "test") if getattr(args, s)}
+    if files and args.corpus != "text":
+        raise ValueError(f"--train/--valid/--test are for --corpus text; {args.corpus} has "
+                         f"fixed files (in --data-dir)")
+    if args.corpus == "text" and "train" not in files:
+        raise ValueError("--corpus text needs --train FILE_OR_GLOB ... (--valid and --test "
+                         "are optional: they are carved from the end of train)")
+    # Files named on the command line are found from where the command runs, as any shell
+    # user expects; benchmarks look in their data folder.
+    data_dir = args.data_dir or ("." if args.corpus == "text" else DEFAULT_DATA_DIR)
+    corpus = open_corpus(args.corpus, data_dir, download=args.download,
                          tokenizer=args.tokenizer, bpe_vocab_size=args.bpe_vocab_size,
                          files=files, progress=not args.quiet)
     out = _out_dir(args.out)
@@ -70,8 +90,15 @@ def prepare_task(args) -> Manifest:
 
     from .tasks import DEFAULT_SPLIT_SIZES, generate, make_task, split_seed
 
-    params = dict(kv.split("=", 1) for kv in args.param)
-    params = {k: int(v) for k, v in params.items()}
+    params = {}
+    for kv in args.param:
+        key, sep, value = kv.partition("=")
+        try:
+            if not sep or not key:
+                raise ValueError
+            params[key] = int(value)
+        except ValueError:
+            raise ValueError(f"--param {kv!r}: write KEY=INT, e.g. --param n_pairs=4") from None
     spec = make_task(args.name, src_len=args.src_len, n_segments=args.n_segments, **params)
     out = _out_dir(args.out)
     sizes = {"train": args.train_size, "valid": args.valid_size, "test": args.test_size}
@@ -97,19 +124,25 @@ def prepare_task(args) -> Manifest:
     return manifest
 
 
+def _parser(prog: str) -> argparse.ArgumentParser:
+    return CommandParser(prog=prog, description=__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def main_prepare(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="memtrain prepare", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _parser("memtrain prepare")
     p.add_argument("--corpus", required=True,
                    help="enwik8, text8, wt103, wt2, ptb, or text (your own files)")
-    p.add_argument("--data-dir", default="data/raw", help="where the raw files are / go")
+    p.add_argument("--data-dir", help="benchmarks: where the raw files are / go (default "
+                   f"{DEFAULT_DATA_DIR}); text: the folder relative --train/--valid/--test "
+                   "paths start from (default: the working directory)")
     p.add_argument("--out", required=True, help="folder for the shards and manifest.json")
     p.add_argument("--download", action="store_true", help="fetch a missing benchmark file")
     p.add_argument("--tokenizer", help="bytes | symbols | chars | bpe (default per corpus)")
     p.add_argument("--bpe-vocab-size", type=int, default=32000)
-    p.add_argument("--train", nargs="+", help="text corpus: train files/globs")
-    p.add_argument("--valid", nargs="+", help="text corpus: valid files/globs")
-    p.add_argument("--test", nargs="+", help="text corpus: test files/globs")
+    p.add_argument("--train", nargs="+", help="text corpus: train files/globs (quote globs)")
+    p.add_argument("--valid", nargs="+", help="text corpus: valid files/globs (optional)")
+    p.add_argument("--test", nargs="+", help="text corpus: test files/globs (optional)")
     p.add_argument("--chunk-tokens", type=int, default=1 << 20)
     p.add_argument("--chunks-per-shard", type=int, default=64)
     p.add_argument("--verify", action="store_true", help="re-hash every shard afterwards")
@@ -117,13 +150,15 @@ def main_prepare(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.chunk_tokens <= 0 or args.chunks_per_shard <= 0:
         p.error("--chunk-tokens and --chunks-per-shard must be > 0")
-    prepare_corpus(args)
+    try:
+        prepare_corpus(args)
+    except (OSError, ValueError, ShardError) as err:  # a missing file, a bad value, a
+        return error_line("memtrain prepare", err)    # failed download, a bad re-hash
     return 0
 
 
 def main_tasks(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="memtrain tasks", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _parser("memtrain tasks")
     p.add_argument("name", help="copy, reverse, associative_retrieval or quadratic")
     p.add_argument("--out", required=True)
     p.add_argument("--src-len", type=int)
@@ -138,7 +173,6 @@ def main_tasks(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         prepare_task(args)
-    except ValueError as err:
-        print(f"memtrain tasks: {err}", file=sys.stderr)
-        return 2
+    except (OSError, ValueError) as err:  # a bad task parameter, an unwritable --out
+        return error_line("memtrain tasks", err)
     return 0

@@ -11,8 +11,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import yaml
 
-from data_pipeline.shards import Manifest, id_dtype, write_manifest, write_token_split
+from data_pipeline.shards import (
+    Manifest,
+    id_dtype,
+    load_manifest,
+    write_manifest,
+    write_token_split,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,3 +67,109 @@ def test_a_token_stream_abandoned_mid_epoch_lets_the_interpreter_exit_cleanly(tm
         results = list(pool.map(run, range(8)))
     codes = [r.returncode for r in results]
     assert codes == [0] * 8, [r.stderr[-300:] for r in results if r.returncode]
+
+
+# --------------------------------------------------------------------------- memtrain prepare
+MEMTRAIN = [sys.executable, "-m", "memtrain.cli"]
+TEXT = "the quick brown fox jumps over the lazy dog\n" * 40
+
+
+def _memtrain(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([*MEMTRAIN, *args], cwd=cwd, env=_env(), capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_prepare_finds_relative_train_files_and_globs_in_the_working_directory(tmp_path):
+    (tmp_path / "books.txt").write_text(TEXT)
+    (tmp_path / "more").mkdir()
+    for name in ("a.txt", "b.txt", "v.txt"):
+        (tmp_path / "more" / name).write_text(TEXT)
+    runs = [["prepare", "--corpus", "text", "--train", "books.txt", "--out", "data/books"],
+            ["prepare", "--corpus", "text", "--train", "more/[ab].txt", "--valid",
+             "more/v.txt", "--out", "data/more"],
+            ["prepare", "--corpus", "text", "--train", "nope.txt", "--out", "data/nope"]]
+    with ThreadPoolExecutor(3) as pool:
+        books, more, nope = pool.map(lambda a: _memtrain([*a, "--quiet"], tmp_path), runs)
+    assert books.returncode == 0 and more.returncode == 0, books.stderr + more.stderr
+    m = load_manifest(tmp_path / "data" / "books")
+    assert sum(s.n_tokens for s in m.splits.values()) == len(TEXT)
+    m = load_manifest(tmp_path / "data" / "more")
+    assert m.splits["valid"].n_tokens == len(TEXT)  # test is carved from a.txt + b.txt
+    assert m.splits["train"].n_tokens + m.splits["test"].n_tokens == 2 * len(TEXT)
+    # The real command's error: one line naming the file and where it was looked for.
+    assert nope.returncode == 2 and nope.stderr == (
+        f"memtrain prepare: text corpus, train: no file matches 'nope.txt' (relative to "
+        f"{tmp_path})\n")
+
+
+# Each: (command line, words the one error line must contain). All are usage or config
+# errors: exit code 2, one line on stderr, no traceback.
+BAD_COMMANDS = {
+    "missing train file": (["prepare", "--corpus", "text", "--train", "nope.txt", "--out", "o"],
+                           ["memtrain prepare:", "nope.txt"]),
+    "text without --train": (["prepare", "--corpus", "text", "--out", "o"],
+                             ["memtrain prepare:", "--train"]),
+    "missing benchmark file": (["prepare", "--corpus", "enwik8", "--out", "o"],
+                               ["memtrain prepare:", "enwik8", "--download"]),
+    "unknown tokenizer": (["prepare", "--corpus", "text", "--train", "books.txt",
+                           "--tokenizer", "zz", "--out", "o"], ["memtrain prepare:", "'zz'"]),
+    "prepare: missing option": (["prepare", "--out", "o"], ["memtrain prepare:", "--corpus"]),
+    "unwritable --out": (["tasks", "copy", "--src-len", "4", "--out", "books.txt/x"],
+                         ["memtrain tasks:", "--out", "books.txt/x"]),
+    "bad --param": (["tasks", "copy", "--src-len", "4", "--out", "t", "--param", "n_pairs"],
+                    ["memtrain tasks:", "n_pairs", "KEY=INT"]),
+    "train: unknown option": (["train", "--config", "quickstart", "--bogus"],
+                              ["memtrain train:", "--bogus"]),
+    "train: bad value": (["train", "--config", "quickstart", "bptt.mode=zigzag"],
+                         ["memtrain train:", "bptt.mode", "zigzag"]),
+}
+
+
+def test_every_cli_error_is_one_line_naming_the_problem_with_exit_code_2(tmp_path,
+                                                                         monkeypatch, capsys):
+    # In-process (`memtrain` runs exactly this main); a traceback would fail the test.
+    from memtrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "books.txt").write_text(TEXT)
+    for case, (argv, words) in BAD_COMMANDS.items():
+        try:
+            code = main(argv)
+        except SystemExit as stop:  # argparse's way out
+            code = stop.code
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, (case, code, lines)
+        for word in words:
+            assert word in lines[0], (case, word, lines[0])
+    assert not (tmp_path / "o").exists()  # nothing half-written by a refused command
+
+
+def test_train_reports_a_run_directory_it_cannot_write_in_one_line(tmp_path, monkeypatch,
+                                                                   capsys):
+    # The trainer's own errors (config, shards, layout) are one line already; an OSError from
+    # the file system (an unwritable run_dir) was a traceback. A stand-in trainer raises it
+    # without importing DeepSpeed.
+    import types
+
+    from train.cli import main_train
+
+    def main_entry(cfg, resume):
+        raise PermissionError(13, "Permission denied", str(cfg.resolved_run_dir))
+
+    monkeypatch.setitem(sys.modules, "train.trainer", types.SimpleNamespace(
+        main_entry=main_entry))
+    code = main_train(["--config", "quickstart", f"run_dir={tmp_path}/locked"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"memtrain train: {tmp_path}/locked: Permission denied"]
+
+
+# --------------------------------------------------------------------------- memtrain train
+def test_train_options_and_overrides_mix_in_any_order(capsys):
+    from train.cli import main_train, parse_train_args
+
+    args = parse_train_args(["--config", "x", "a=b", "--no-resume", "c=d"])
+    assert args.config == "x" and args.no_resume and args.overrides == ["a=b", "c=d"]
+    assert main_train(["--config", "quickstart", "model.mem_len=32", "--print-config",
+                       "max_steps=70"]) == 0
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["model"]["mem_len"] == 32 and cfg["max_steps"] == 70

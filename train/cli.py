@@ -4,7 +4,8 @@
     memtrain eval --run-dir runs/quickstart [eval.mem_len=64 eval.split=test ...]
     memtrain export --run-dir runs/quickstart --out model.safetensors
 
-A config error exits with code 2 before any compute, naming the field.
+Options and section.field=value overrides may come in any order. A config error exits with
+code 2 before any compute, naming the field; every error is one line on stderr.
 """
 
 from __future__ import annotations
@@ -14,17 +15,20 @@ import json
 import sys
 from pathlib import Path
 
+from memtrain.cli import CommandParser, error_line
 from model import ConfigError
 
 from .config import load_config
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
-    return argparse.ArgumentParser(prog=prog, description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    return CommandParser(prog=prog, description=__doc__,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
-def main_train(argv: list[str] | None = None) -> int:
+def parse_train_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """`memtrain train` arguments: options and overrides intermixed in any order (plain
+    parse_args stops collecting overrides at the first option after them)."""
     p = _parser("memtrain train")
     p.add_argument("--config", help="YAML run config, or a name in configs/ (quickstart, ...)")
     p.add_argument("overrides", nargs="*", metavar="section.field=value")
@@ -37,7 +41,11 @@ def main_train(argv: list[str] | None = None) -> int:
                    "and exit")
     # The deepspeed launcher appends --local_rank=N; LOCAL_RANK in the environment says the same.
     p.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p.parse_intermixed_args(argv)
+
+
+def main_train(argv: list[str] | None = None) -> int:
+    args = parse_train_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
@@ -48,7 +56,10 @@ def main_train(argv: list[str] | None = None) -> int:
         print(dump_yaml(cfg), end="")
         return 0
     from .trainer import main_entry
-    return main_entry(cfg, resume="require" if args.resume else not args.no_resume)
+    try:
+        return main_entry(cfg, resume="require" if args.resume else not args.no_resume)
+    except OSError as err:  # e.g. a run directory that cannot be created or written
+        return error_line("memtrain train", err)
 
 
 def _run_config(run_dir: str, overrides: list[str]):
@@ -74,7 +85,7 @@ def main_eval(argv: list[str] | None = None) -> int:
                        help="explicit memory lengths instead of multiples")
     sweep.add_argument("--tgt-lens", type=_int_list, metavar="32,64",
                        help="segment lengths (default: the eval protocol's)")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     try:
         cfg = _run_config(args.run_dir, args.overrides)
     except ConfigError as err:
