@@ -2,6 +2,10 @@
 before any compute with the field's name (exit code 2); the shipped configs load and carry
 the papers' settings; the DeepSpeed config is derived from the run config."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -66,6 +70,15 @@ def test_the_command_line_exits_2_on_a_bad_config_before_any_compute(capsys):
     assert "no such file" in capsys.readouterr().err
     assert main_train(["--config", "quickstart", "just-a-word"]) == 2
     assert "section.field=value" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["memtrain", "train"], ["python", "-m", "train"]])
+def test_the_process_exit_code_is_2_on_a_bad_config(command):
+    done = subprocess.run([str(Path(sys.executable).parent / command[0]), *command[1:],
+                           "--config", "quickstart", "model.d_model=-2"], cwd=PROJECT_ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "invalid config: model.d_model" in done.stderr
 
 
 def test_print_config_shows_the_resolved_tree(capsys):

@@ -6,7 +6,16 @@ import json
 import subprocess
 
 import pytest
-from train_helpers import BIN, ROOT, child_env, free_port, run_train, step_losses, tiny_config
+from train_helpers import (
+    BIN,
+    ROOT,
+    child_env,
+    free_port,
+    run_train,
+    step_losses,
+    tiny_config,
+    torchrun_exit_codes,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -83,8 +92,20 @@ def test_plain_memtrain_train_is_a_world_of_one(workdir):
 def test_a_global_batch_the_world_size_does_not_divide_fails_with_exit_2(workdir):
     cfg = tiny_config(workdir, "odd", max_steps=3, data={"global_batch": 3})
     done = run_train(cfg, nproc=2, check=False)
-    assert done.returncode != 0
+    assert done.returncode != 0  # torchrun's own code is 1 whatever the ranks returned
     assert "global batch 3 is not divisible by world size 2" in done.stderr
+    root, codes = torchrun_exit_codes(done.stderr)
+    assert root == 2 and set(codes.values()) <= {2, -15}, codes
+
+
+def test_a_config_error_exits_2_on_every_rank_under_torchrun(workdir):
+    cfg = tiny_config(workdir, "badcfg", max_steps=3)
+    done = run_train(cfg, ["bptt.mode=zigzag"], nproc=2, check=False)
+    assert done.returncode != 0
+    assert "invalid config: bptt.mode: unknown 'zigzag'" in done.stderr
+    root, codes = torchrun_exit_codes(done.stderr)
+    assert root == 2 and set(codes.values()) <= {2, -15}, codes
+    assert not (workdir / "runs" / "badcfg").exists()  # stopped before anything was written
 
 
 def test_two_nodes_by_c10d_rendezvous_train_like_one_node_with_two_ranks(workdir):

@@ -9,7 +9,15 @@ import subprocess
 import time
 
 import pytest
-from train_helpers import ROOT, child_env, run_train, step_losses, tiny_config, train_cmd
+from train_helpers import (
+    ROOT,
+    child_env,
+    run_train,
+    step_losses,
+    tiny_config,
+    torchrun_exit_codes,
+    train_cmd,
+)
 
 from train.checkpoint import find_latest
 
@@ -55,15 +63,18 @@ def test_a_signal_on_one_rank_checkpoints_every_rank_at_the_same_step(tmp_path, 
     assert step_losses(run_dir) == step_losses(tmp_path / "runs" / "straight")
 
 
-def test_a_non_finite_loss_stops_with_exit_3_and_keeps_the_last_checkpoint(tmp_path):
+def test_a_non_finite_loss_stops_every_rank_with_exit_3_and_keeps_the_last_checkpoint(
+        tmp_path):
     # An absurd learning rate: Adam moves every weight by ~1e12 at step 1, so the loss of
     # step 2 overflows. Nothing of step 2 may be saved.
     cfg = tiny_config(tmp_path, "diverged", max_steps=10, save_every=1,
                       optim={"lr": 1e12, "schedule": "constant"}, model={"dropout": 0.0})
     run_dir = tmp_path / "runs" / "diverged"
-    done = run_train(cfg, nproc=1, check=False)
-    assert done.returncode != 0
-    assert "non-finite loss at step 2" in done.stderr
+    done = run_train(cfg, nproc=2, check=False)
+    assert done.returncode != 0  # torchrun's own code is 1 whatever the ranks returned
+    root, codes = torchrun_exit_codes(done.stderr)
+    assert root == 3 and set(codes.values()) <= {3, -15}, codes
+    assert "non-finite loss at step 2 on 2 rank(s)" in done.stderr
     assert "the last checkpoint is intact" in done.stderr
     assert find_latest(run_dir / "checkpoints").step == 1
     assert not (run_dir / "checkpoints" / "step00000002").exists()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -114,3 +115,15 @@ def step_losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
         if key in row:
             out[row["step"]] = row[key]
     return out
+
+
+def torchrun_exit_codes(stderr: str) -> tuple[int, dict[int, int]]:
+    """The exit codes of the ranks as torchrun reports them when a rank fails (torchrun
+    itself then exits with 1): (root cause = first failed rank's code, {rank: code} of every
+    rank listed). A rank that torchrun stopped after the first failure shows -15 (SIGTERM)."""
+    entry = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*exitcode\s*:\s*(-?\d+)")
+    codes = {int(rank): int(code) for rank, code in entry.findall(stderr)}
+    root = stderr.split("Root Cause (first observed failure):", 1)
+    if len(root) != 2 or not entry.search(root[1]):
+        raise AssertionError(f"no torchrun failure report in:\n{stderr[-3000:]}")
+    return int(entry.search(root[1]).group(2)), codes
