@@ -4,9 +4,11 @@ runs root."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -173,3 +175,49 @@ def test_train_options_and_overrides_mix_in_any_order(capsys):
                        "max_steps=70"]) == 0
     cfg = yaml.safe_load(capsys.readouterr().out)
     assert cfg["model"]["mem_len"] == 32 and cfg["max_steps"] == 70
+
+
+# --------------------------------------------------------------------------- one MLflow store
+def test_two_runs_share_one_store_under_the_runs_root_and_a_bare_compare_sees_both(
+        tmp_path, monkeypatch, capsys):
+    from train_helpers import run_train, tiny_config
+
+    from train.compare.cli import main_compare
+
+    configs = [tiny_config(tmp_path, name, max_steps=4, eval={"every": 2, "max_segments": 2})
+               for name in ("first", "second")]
+    with ThreadPoolExecutor(2) as pool:  # at once: both open the new store (the lock's job)
+        list(pool.map(lambda c: run_train(c, launcher="single",
+                                          env={"MLFLOW_TRACKING_URI": ""}), configs))
+    runs = tmp_path / "runs"
+    shared = f"sqlite:///{runs.absolute()}/mlflow.db"
+    ids = []
+    for name in ("first", "second"):
+        state = json.loads((runs / name / "tracking.json").read_text())
+        assert state["tracking_uri"] == shared and not (runs / name / "mlflow.db").exists()
+        ids.append(state["run_id"])
+    assert (runs / "mlartifacts").is_dir()
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)  # the project root: its runs/ is the default runs root
+    assert main_compare(["--no-log", "--out", "report"]) == 0
+    assert "compared 2 runs (0 incomplete" in capsys.readouterr().out
+    summary = (tmp_path / "report" / "report.md").read_text()
+    assert all(run_id in summary for run_id in ids)
+
+
+def test_a_run_made_with_its_own_store_keeps_it_without_a_uri(tmp_path):
+    # Runs made before the shared default have runs/<name>/mlflow.db, named in tracking.json:
+    # evaluating or resuming them (no tracking.uri set) must go on in that run.
+    from train.tracking import Tracker, TrackingWarning
+
+    run_dir = tmp_path / "runs" / "old"
+    own = f"sqlite:///{run_dir.absolute()}/mlflow.db"
+    first = Tracker(run_dir, tracking_uri=own)
+    first.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TrackingWarning)  # no "tracking URI changed"
+        again = Tracker(run_dir)
+    again.close()
+    assert (again.tracking_uri, again.run_id) == (own, first.run_id)
+    assert not (tmp_path / "runs" / "mlflow.db").exists()

@@ -100,7 +100,7 @@ def many_report(mlflow_server, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local_store(tmp_path_factory):
-    """A sqlite store as training makes one (runs/<name>/mlflow.db), three synthetic runs."""
+    """A sqlite store as training makes one (runs/mlflow.db), three synthetic runs."""
     root = tmp_path_factory.mktemp("local_store")
     uri = f"sqlite:///{root}/mlflow.db"
     client = MlflowClient(uri)
@@ -309,14 +309,15 @@ def _dead_server() -> str:
     return f"http://127.0.0.1:{free_port()}"
 
 
-@pytest.mark.parametrize("case", ["no store", "missing sqlite file", "dead server",
+@pytest.mark.parametrize("case", ["no store in runs/", "missing sqlite file", "dead server",
                                   "only foreign or unknown runs", "invalid filter"])
 def test_nothing_to_compare_exits_2_with_a_clear_message(case, real, local_store, tmp_path,
                                                          capsys, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)  # no runs/mlflow.db here: the default store is missing
     args, expect = {
-        "no store": ([], "pass --tracking-uri (e.g. --tracking-uri "
-                         "sqlite:///runs/quickstart/mlflow.db"),
+        "no store in runs/": ([], f"{tmp_path}/runs/mlflow.db does not exist (training runs "
+                                  "share <runs root>/mlflow.db"),
         "missing sqlite file": (["--tracking-uri", f"sqlite:///{tmp_path}/nope/mlflow.db"],
                                 "does not exist"),
         "dead server": (["--tracking-uri", _dead_server()], "no MLflow server answers"),
@@ -331,6 +332,7 @@ def test_nothing_to_compare_exits_2_with_a_clear_message(case, real, local_store
     assert expect in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
     assert not (tmp_path / "nope").exists()   # no empty store created by a typo
+    assert not (tmp_path / "runs").exists()
 
 
 def test_protocol_text_from_params_reads_like_the_training_log():

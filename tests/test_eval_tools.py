@@ -42,9 +42,8 @@ def runs(tmp_path_factory):
 
 def _mlflow_run(run_dir):
     from mlflow import MlflowClient
-    client = MlflowClient(f"sqlite:///{run_dir}/mlflow.db")
-    run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
-    return client, run_id
+    state = json.loads((run_dir / "tracking.json").read_text())
+    return MlflowClient(state["tracking_uri"]), state["run_id"]
 
 
 # ----------------------------------------------------------------------------- RECL

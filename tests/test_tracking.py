@@ -73,10 +73,11 @@ def assert_complete_run(client: MlflowClient, run_id: str) -> None:
     assert run.info.status == "FINISHED"
 
 
-def test_embedded_store_records_params_metrics_tags_artifacts_and_status(tmp_path):
+def test_default_store_records_params_metrics_tags_artifacts_and_status(tmp_path):
     run_dir = tmp_path / "run"
     tracker = Tracker(run_dir, run_name="xl-tiny", params=PARAMS, tags=TAGS)
-    assert tracker.tracking_uri == f"sqlite:///{run_dir.absolute()}/mlflow.db"
+    # One store for every run under the runs root (the run dir's parent).
+    assert tracker.tracking_uri == f"sqlite:///{tmp_path.absolute()}/mlflow.db"
     run_training(tracker, LOSSES)
     path = tracker.log_json({"valid_loss": 2.2}, "eval.json")
     tracker.close()
@@ -84,8 +85,8 @@ def test_embedded_store_records_params_metrics_tags_artifacts_and_status(tmp_pat
     assert json.loads(path.read_text()) == {"valid_loss": 2.2}
     assert (run_dir / "loss_curve.png").stat().st_size > 1000
     assert_complete_run(MlflowClient(tracker.tracking_uri), tracker.run_id)
-    # The artifacts stay inside the run dir (not ./mlruns of the working directory).
-    assert (run_dir / "mlartifacts" / tracker.run_id / "artifacts" / "loss_curve.png").exists()
+    # The artifacts stay beside the store (not ./mlruns of the working directory).
+    assert (tmp_path / "mlartifacts" / tracker.run_id / "artifacts" / "loss_curve.png").exists()
     lines = jsonl(run_dir)
     assert [(r["step"], r.get("train/loss")) for r in lines] == [*LOSSES.items(), (4, None)]
     assert all(abs(r["time"] - time.time()) < 600 for r in lines)

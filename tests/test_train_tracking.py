@@ -1,4 +1,4 @@
-"""MLflow through real training runs: the embedded sqlite store and a real `mlflow server`
+"""MLflow through real training runs: the default sqlite store and a real `mlflow server`
 both hold the params, per-step metrics, artifacts and tags of a run; an unreachable server
 never stops training and the metrics stay in the run directory."""
 
@@ -45,11 +45,11 @@ def _config(tmp_path, name):
                        deepspeed={"zero_stage": 1}, tracking={"experiment": "tracking-test"})
 
 
-def test_a_run_logs_params_metrics_artifacts_and_tags_to_the_embedded_store(tmp_path):
-    run_train(_config(tmp_path, "local"), nproc=1)
+def test_a_run_logs_params_metrics_artifacts_and_tags_to_the_default_store(tmp_path):
+    run_train(_config(tmp_path, "local"), nproc=1, env={"MLFLOW_TRACKING_URI": ""})
     run_dir = tmp_path / "runs" / "local"
     state = json.loads((run_dir / "tracking.json").read_text())
-    assert state["tracking_uri"] == f"sqlite:///{run_dir.absolute()}/mlflow.db"
+    assert state["tracking_uri"] == f"sqlite:///{(tmp_path / 'runs').absolute()}/mlflow.db"
     _check_run(MlflowClient(state["tracking_uri"]), state["run_id"], 6)
 
 

@@ -9,11 +9,15 @@ the first failure is warned about once (naming the URI and the error), and from 
 tracker is local-only. `run_dir/metrics.jsonl` gets every log_metrics call regardless, so
 the numbers of a run survive a dead server, a full MLflow database or a missing package.
 
-Where the run goes: `tracking_uri`, else env MLFLOW_TRACKING_URI, else an embedded sqlite
-store inside the run directory (`mlflow.db`, artifacts in `mlartifacts/`), so a run dir is
-self-contained and `mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db` browses it.
-The run id is kept in `run_dir/tracking.json`; a restarted job on the same run dir and URI
-continues the same MLflow run, so one training run is one MLflow run across preemptions.
+Where the run goes: `tracking_uri`, else env MLFLOW_TRACKING_URI, else one sqlite store
+shared by every run under the same runs root, beside the run directory: `<run_dir>/../mlflow.db`
+(`runs/mlflow.db`, artifacts in `runs/mlartifacts/`). So the runs of a project can be compared
+in one place (`memtrain compare`, `mlflow ui --backend-store-uri sqlite:///runs/mlflow.db`).
+A per-run store is one setting away: tracking_uri="sqlite:///runs/<name>/mlflow.db".
+The run id and URI are kept in `run_dir/tracking.json`; a restarted job on the same run dir
+and URI continues the same MLflow run, so one training run is one MLflow run across
+preemptions. Without an explicit URI, a run whose tracking.json names a sqlite store that
+exists keeps it: runs made when each run had its own `runs/<name>/mlflow.db` are still found.
 mlflow is imported lazily: non-zero ranks (enabled=False) never pay its ~2 s import.
 """
 
@@ -130,6 +134,24 @@ def _param_key(key: str) -> str:
     return re.sub(r"[^/\w.\- :]", "_", key)
 
 
+def shared_store_uri(run_dir: str | Path) -> str:
+    """The default store: one sqlite file for all runs of the runs root (run_dir's parent)."""
+    return f"sqlite:///{Path(run_dir).absolute().parent}/mlflow.db"
+
+
+def recorded_store(run_dir: str | Path) -> str | None:
+    """The sqlite store run_dir/tracking.json names, if that store exists (a run made with a
+    per-run store, or by an older version that made one by default), else None."""
+    try:
+        uri = json.loads((Path(run_dir) / "tracking.json").read_text())["tracking_uri"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if isinstance(uri, str) and uri.startswith("sqlite:///") and \
+            Path(uri[len("sqlite:///"):]).is_file():
+        return uri
+    return None
+
+
 class Tracker:
     """One training run's tracking; see the module docstring. Methods never raise."""
 
@@ -151,8 +173,8 @@ class Tracker:
         self.metrics_path = self.run_dir / "metrics.jsonl"
         if not use_mlflow:  # tracking.enabled: false -> metrics.jsonl and the plot only
             return
-        embedded = f"sqlite:///{self.run_dir}/mlflow.db"
-        self.tracking_uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or embedded
+        self.tracking_uri = (tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+                             or recorded_store(self.run_dir) or shared_store_uri(self.run_dir))
         try:
             with _sqlite_lock(self.tracking_uri):
                 self._start(run_name, params or {}, tags or {})
@@ -214,9 +236,9 @@ class Tracker:
     def _experiment_id(self, client) -> str:
         exp = client.get_experiment_by_name(self.experiment)
         if exp is None:
-            # A sqlite store keeps artifacts beside its db file (for the embedded store: in the
-            # run dir), not in ./mlruns of whatever directory the job happened to start in,
-            # which is MLflow's default. A server chooses its own location.
+            # A sqlite store keeps artifacts beside its db file (for the shared store:
+            # runs/mlartifacts), not in ./mlruns of whatever directory the job happened to
+            # start in, which is MLflow's default. A server chooses its own location.
             where = None
             if self.tracking_uri.startswith("sqlite:///"):
                 db = Path(self.tracking_uri[len("sqlite:///"):]).absolute()

@@ -1,7 +1,8 @@
 """`memtrain compare`: compare training runs recorded in MLflow in one HTML report.
 
-    memtrain compare --tracking-uri sqlite:///runs/quickstart/mlflow.db
-    memtrain compare --experiment memtrain --filter "params.model.mechanism = 'xl'"
+    memtrain compare                       # every run in runs/mlflow.db, the default store
+    memtrain compare --runs-root /scratch/me/runs --experiment memtrain
+    memtrain compare --tracking-uri http://127.0.0.1:5000 --filter "params.model.mechanism = 'xl'"
     memtrain compare --run-ids 1a2b... 3c4d... --out runs/compare-xl-vs-lamemo --no-log
 
 Writes <out>/report.html (self-contained: plots inside, nothing loaded from elsewhere),
@@ -23,16 +24,17 @@ from .runs import KIND_TAG, SelectionError, open_store, select
 
 LOG_EXPERIMENT = "memtrain-compare"
 MAX_TAG_VALUE = 8000     # MLflow's tag value limit (mlflow.utils.validation)
-NO_STORE = ("no MLflow store given: pass --tracking-uri (e.g. --tracking-uri "
-            "sqlite:///runs/quickstart/mlflow.db, the store of a training run, or "
-            "http://127.0.0.1:5000 for a server) or set MLFLOW_TRACKING_URI")
+RUNS_ROOT = "runs"       # where run directories go by default (run_dir: runs/{name})
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memtrain compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tracking-uri", help="MLflow store: sqlite:///path/mlflow.db or a "
-                   "server URL (default: env MLFLOW_TRACKING_URI)")
+                   "server URL (default: env MLFLOW_TRACKING_URI, else the store training "
+                   "runs share, <runs-root>/mlflow.db)")
+    p.add_argument("--runs-root", default=RUNS_ROOT, help="folder holding the run "
+                   f"directories and their shared mlflow.db (default {RUNS_ROOT}/)")
     p.add_argument("--experiment", action="append", default=[], metavar="NAME",
                    help="search this experiment (repeatable; default: all experiments "
                    "unless --run-ids is given)")
@@ -42,7 +44,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="compare these runs too (added to any experiment search)")
     p.add_argument("--max-runs", type=int, default=40, help="compare at most this many runs, "
                    "the newest (default 40: plots stay readable up to there)")
-    p.add_argument("--out", help="output directory (default: runs/compare-<timestamp>)")
+    p.add_argument("--out", help="output directory (default: "
+                   "<runs-root>/compare-<timestamp>)")
     p.add_argument("--title", help="report title (default: comparison of N runs)")
     p.add_argument("--log-experiment", default=LOG_EXPERIMENT, help="MLflow experiment of "
                    f"the comparison run (default {LOG_EXPERIMENT})")
@@ -66,10 +69,9 @@ def _selection_text(args) -> str:
 
 def main_compare(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    if not uri:
-        print(f"memtrain compare: {NO_STORE}", file=sys.stderr)
-        return 2
+    # The default is the store training writes to when no URI is set (train/tracking.py).
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or \
+        f"sqlite:///{Path(args.runs_root).absolute()}/mlflow.db"
     if args.max_runs < 1:
         print("memtrain compare: --max-runs must be at least 1", file=sys.stderr)
         return 2
@@ -92,7 +94,7 @@ def main_compare(argv: list[str] | None = None) -> int:
     # Imported after the selection: matplotlib is not needed to report a bad selection.
     from .report import write_report
 
-    out = Path(args.out or f"runs/compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = Path(args.out or Path(args.runs_root) / f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
     files = write_report(sel, out, title=args.title, source=uri,
                          selection=_selection_text(args))
     incomplete = sum(1 for r in sel.runs if r.problems)

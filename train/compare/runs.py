@@ -1,6 +1,6 @@
 """Which runs a comparison holds, and what is read of each from MLflow.
 
-    client = open_store("sqlite:///runs/quickstart/mlflow.db")     # or http://host:5000
+    client = open_store("sqlite:///runs/mlflow.db")     # or http://host:5000
     sel = select(client, experiments=["memtrain"], filter_string="params.model.mem_len = '32'")
     sel.runs       # RunData of every compared run, oldest first (run i is "#i+1" everywhere)
     sel.left_out   # LeftOut(who, reason) of everything that was asked for but is not compared
@@ -106,8 +106,9 @@ def open_store(uri: str):
     if uri.startswith("sqlite:///"):
         db = Path(uri[len("sqlite:///"):])
         if not db.is_file():
-            raise SelectionError(f"no MLflow store at {uri}: {db} does not exist (a training "
-                                 "run's store is runs/<name>/mlflow.db)")
+            raise SelectionError(f"no MLflow store at {uri}: {db} does not exist (training "
+                                 "runs share <runs root>/mlflow.db, e.g. runs/mlflow.db; "
+                                 "--runs-root or --tracking-uri name another)")
     elif uri.startswith(("http://", "https://")):
         _probe(uri)
     elif uri.startswith("file:") or "://" not in uri:
