@@ -62,7 +62,10 @@ def naive_rmt_segment(model, tokens: torch.Tensor, memory: torch.Tensor | None):
     h = torch.cat([mem, h0, mem], dim=1)               # H̃^0 = [H^mem ∘ H^0 ∘ H^mem]
     for layer in core.layers:
         h = naive_layer(layer, h, core.u_bias, core.v_bias, m, n_tok, model.cfg.pre_lnorm)
-    return h[:, m:m + n_tok], h[:, -m:]                # [H^read ∘ H^N ∘ H^write]
+    write = h[:, -m:]                                  # [H^read ∘ H^N ∘ H^write]
+    if model.cfg.pre_lnorm:  # our pre-LN departure: the next memory is layer-normalised
+        write = core.memory_layer_norm(write)
+    return h[:, m:m + n_tok], write
 
 
 @pytest.mark.parametrize("pre_lnorm", [False, True])
