@@ -64,10 +64,19 @@ def zero_stage(ds_config: dict) -> int:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
+    """Adam(W) over two groups: weight decay only on matrices (projections, embeddings);
+    LayerNorm gains and biases, the u/v biases, RMT's initial memory and every other vector
+    are not decayed (the usual practice: decaying a gain towards 0 shrinks the layer)."""
     o = cfg.optim
     cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
-    return cls(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-               weight_decay=o.weight_decay)
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        # u/v ([H, dh]) and the initial memory ([m, d]) are 2-D but are vectors per row.
+        matrix = p.dim() >= 2 and "rel_" not in name and "memory_init" not in name
+        (decay if matrix else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": o.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return cls([g for g in groups if g["params"]], lr=o.lr, betas=tuple(o.betas), eps=o.eps)
 
 
 class LRSchedule:
@@ -86,7 +95,7 @@ class LRSchedule:
         self.scale = 1.0          # plateau multiplier
         self.best = math.inf
         self.bad_evals = 0
-        self._apply()
+        self.apply()
 
     def lr_at(self, step: int) -> float:
         o = self.o
@@ -99,14 +108,15 @@ class LRSchedule:
             return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))
         return o.lr + (o.min_lr - o.lr) * progress
 
-    def _apply(self) -> None:
+    def apply(self) -> None:
+        """Write lr(last_step) into the optimizer's param groups."""
         lr = self.lr_at(self.last_step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
     def step(self, *_args, **_kwargs) -> None:
         self.last_step += 1
-        self._apply()
+        self.apply()
 
     def report(self, metric: float) -> bool:
         """Record a validation loss; True if the plateau schedule just lowered the lr."""
@@ -119,7 +129,7 @@ class LRSchedule:
         if self.bad_evals > self.o.plateau_patience:
             self.scale *= self.o.plateau_factor
             self.bad_evals = 0
-            self._apply()
+            self.apply()
             return True
         return False
 
@@ -138,7 +148,7 @@ class LRSchedule:
     def load_state_dict(self, state: dict) -> None:
         self.last_step, self.scale = state["last_step"], state["scale"]
         self.best, self.bad_evals = state["best"], state["bad_evals"]
-        self._apply()
+        self.apply()
 
 
 def _register_parameter_lists(model: torch.nn.Module) -> None:
@@ -168,5 +178,5 @@ def initialize(model: torch.nn.Module, cfg: RunConfig, ds_config: dict):
     # ZeRO wraps the optimizer; the schedule must write into the wrapper's param groups,
     # which are the ones the update reads.
     schedule.optimizer = ds_optimizer
-    schedule._apply()
+    schedule.apply()
     return engine, schedule

@@ -24,7 +24,7 @@ import torch
 
 from data_pipeline.shards import ShardError, load_manifest
 from data_pipeline.streams import EpisodeStream, LayoutError, TokenStream
-from model import ConfigError, MemoryState, build_model
+from model import ConfigError, MemoryState, bits_per_token, build_model
 
 from . import checkpoint as ckpt
 from .bptt import SlidingHistory, episode_cuts, run_window
@@ -172,9 +172,11 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     if env.is_main:
         (run_dir / "config.yaml").write_text(dump_yaml(cfg))
         _write_json(run_dir / "ds_config.json", ds_config)
+        # The resolved config is worth reading at every start; the DeepSpeed JSON is
+        # derived from it, so it is only saved.
         print(f"memtrain: {env.world_size} rank(s) via {env.launcher}, run dir {run_dir}\n"
-              f"--- resolved config ---\n{dump_yaml(cfg)}--- ds_config ---\n"
-              f"{json.dumps(ds_config, indent=1)}", flush=True)
+              f"--- resolved config ---\n{dump_yaml(cfg)}--- ds_config: saved in "
+              f"{run_dir / 'ds_config.json'}", flush=True)
 
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model)
@@ -364,7 +366,7 @@ class _Loop:
             if st.step % cfg.log_every == 0 or st.step == cfg.max_steps:
                 now = time.perf_counter()
                 loss = loss_sum / max(loss_n, 1)
-                metrics = {"loss": loss, "bpc": loss / 0.6931471805599453,
+                metrics = {"loss": loss, "bpc": bits_per_token(loss),
                            "lr": self.schedule.get_last_lr()[0],
                            "tokens_per_s": (st.tokens_seen - tokens_at_log) / (now - last_log),
                            "peak_mem_mb": peak_memory_mb(self.device)}

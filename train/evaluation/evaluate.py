@@ -18,6 +18,7 @@ import torch
 
 from data_pipeline.shards import Manifest
 from data_pipeline.streams import EpisodeStream, TokenStream
+from model import bits_per_token
 
 from ..bptt import run_window
 from ..config import EvalConfig, RunConfig
@@ -103,7 +104,7 @@ def evaluate(forward, model, manifest: Manifest, proto: EvalProtocol, rank: int,
         model.train(was_training)
     nll, n, correct = all_reduce_sum(sums, device)
     loss = nll / max(n, 1)
-    report = {"split": proto.split, "loss": loss, "bpc": loss / math.log(2),
+    report = {"split": proto.split, "loss": loss, "bpc": bits_per_token(loss),
               "ppl": math.exp(min(loss, 700)), "tokens": n,
               "metric": "bpc" if manifest.vocab.get("kind") in _CHAR_VOCABS else "ppl",
               "seconds": time.perf_counter() - start, "protocol": asdict(proto),
