@@ -221,3 +221,14 @@ def test_a_run_made_with_its_own_store_keeps_it_without_a_uri(tmp_path):
     again.close()
     assert (again.tracking_uri, again.run_id) == (own, first.run_id)
     assert not (tmp_path / "runs" / "mlflow.db").exists()
+
+
+def test_compare_runs_root_names_the_shared_store_and_wins_over_the_environment(
+        tmp_path, monkeypatch, capsys):
+    from train.compare.cli import main_compare
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # never asked
+    assert main_compare(["--runs-root", str(tmp_path / "elsewhere"), "--no-log"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{tmp_path}/elsewhere/mlflow.db does not exist" in err[0]
+    assert not (tmp_path / "elsewhere").exists()

@@ -33,8 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tracking-uri", help="MLflow store: sqlite:///path/mlflow.db or a "
                    "server URL (default: env MLFLOW_TRACKING_URI, else the store training "
                    "runs share, <runs-root>/mlflow.db)")
-    p.add_argument("--runs-root", default=RUNS_ROOT, help="folder holding the run "
-                   f"directories and their shared mlflow.db (default {RUNS_ROOT}/)")
+    p.add_argument("--runs-root", help="folder holding the run directories and their "
+                   f"shared mlflow.db (default {RUNS_ROOT}/; wins over MLFLOW_TRACKING_URI)")
     p.add_argument("--experiment", action="append", default=[], metavar="NAME",
                    help="search this experiment (repeatable; default: all experiments "
                    "unless --run-ids is given)")
@@ -51,6 +51,10 @@ def _parser() -> argparse.ArgumentParser:
                    f"the comparison run (default {LOG_EXPERIMENT})")
     p.add_argument("--no-log", action="store_true", help="only write the files; no MLflow run")
     return p
+
+
+def _shared_store(runs_root: Path) -> str:
+    return f"sqlite:///{runs_root.absolute()}/mlflow.db"
 
 
 def _selection_text(args) -> str:
@@ -70,8 +74,9 @@ def _selection_text(args) -> str:
 def main_compare(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # The default is the store training writes to when no URI is set (train/tracking.py).
-    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or \
-        f"sqlite:///{Path(args.runs_root).absolute()}/mlflow.db"
+    root = Path(args.runs_root or RUNS_ROOT)
+    uri = args.tracking_uri or (args.runs_root and _shared_store(root)) or \
+        os.environ.get("MLFLOW_TRACKING_URI") or _shared_store(root)
     if args.max_runs < 1:
         print("memtrain compare: --max-runs must be at least 1", file=sys.stderr)
         return 2
@@ -94,7 +99,7 @@ def main_compare(argv: list[str] | None = None) -> int:
     # Imported after the selection: matplotlib is not needed to report a bad selection.
     from .report import write_report
 
-    out = Path(args.out or Path(args.runs_root) / f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    out = Path(args.out or root / f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
     files = write_report(sel, out, title=args.title, source=uri,
                          selection=_selection_text(args))
     incomplete = sum(1 for r in sel.runs if r.problems)
