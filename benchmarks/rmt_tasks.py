@@ -49,35 +49,55 @@ def xl(data: str, mem_len: int) -> list[str]:
             f"model.mem_len={mem_len}", "bptt.depth=0"]
 
 
-# name -> (config, data, overrides, what the row shows)
+# name -> (config, data, overrides, what the row shows), in the order they run
 ROWS: dict[str, tuple[str, str, list[str], str]] = {}
-for n in (2, 3, 4):
-    ROWS[f"copy-s{n}-rmt"] = ("copy-rmt-cpu", f"copy8-s{n}", rmt(f"copy8-s{n}"), "RMT, full BPTT")
-    ROWS[f"reverse-s{n}-rmt"] = ("reverse-rmt-cpu", f"reverse12-s{n}", rmt(f"reverse12-s{n}"),
-                                 "RMT, full BPTT")
-ROWS["ar-s3-rmt"] = ("ar-rmt-cpu", "ar5-s3", rmt("ar5-s3"), "RMT, full BPTT")
-for task, cfg, data in (("copy", "copy-rmt-cpu", "copy8-s4"),
-                        ("reverse", "reverse-rmt-cpu", "reverse12-s4"),
-                        ("ar", "ar-rmt-cpu", "ar5-s3")):
-    tag = data.split("-")[1]
-    ROWS[f"{task}-{tag}-baseline"] = (cfg, data, xl(data, 0), "no memory (XL, mem_len 0)")
-    ROWS[f"{task}-{tag}-xl"] = (cfg, data, xl(data, SEG_LEN[data]),
-                                f"Transformer-XL, cache {SEG_LEN[data]} (= segment)")
-for k in (0, 1, 2):
-    ROWS[f"copy-s4-bptt{k}"] = ("copy-rmt-cpu", "copy8-s4", rmt("copy8-s4", **{"bptt.depth": k}),
-                                f"RMT, BPTT depth {k}")
+_CFG = {"copy": "copy-rmt-cpu", "reverse": "reverse-rmt-cpu", "ar": "ar-rmt-cpu"}
+_DATA = {"copy": "copy8-s{}", "reverse": "reverse12-s{}", "ar": "ar5-s{}"}
 
+
+def _rows(task: str, n: int, kinds: tuple[str, ...]) -> None:
+    data = _DATA[task].format(n)
+    for kind in kinds:
+        if kind == "rmt":
+            ROWS[f"{task}-s{n}-rmt"] = (_CFG[task], data, rmt(data), "RMT, full BPTT")
+        elif kind == "baseline":
+            ROWS[f"{task}-s{n}-baseline"] = (_CFG[task], data, xl(data, 0),
+                                             "no memory (XL, mem_len 0)")
+        else:
+            ROWS[f"{task}-s{n}-xl"] = (_CFG[task], data, xl(data, SEG_LEN[data]),
+                                       f"Transformer-XL, cache {SEG_LEN[data]} (= segment)")
+
+
+for _n in (2, 3, 4):
+    _rows("copy", _n, ("rmt",))
+    _rows("reverse", _n, ("rmt",))
+_rows("ar", 3, ("rmt",))
+_rows("copy", 4, ("baseline", "xl"))
+_rows("reverse", 4, ("baseline", "xl"))
+_rows("ar", 3, ("baseline",))
+# BPTT depth k = 0, 1 on copy in 3 segments (k = 2 is copy-s3-rmt above).
+for k in (0, 1):
+    ROWS[f"copy-s3-bptt{k}"] = ("copy-rmt-cpu", "copy8-s3", rmt("copy8-s3", **{"bptt.depth": k}),
+                                f"RMT, BPTT depth {k}")
 # Segment curriculum (RMT follow-up, Bulatov et al. 2023): the same steps on copy in 6
 # segments of 4 (m = 4), straight vs growing 1 -> 2 -> 3 -> 6 segments on valid accuracy.
-_LONG = rmt("copy8-s6", max_steps=1500, **{"eval.every": 50})
+_LONG = rmt("copy8-s6", max_steps=1000, **{"eval.every": 50})
 ROWS["copy-s6-plain"] = ("copy-rmt-cpu", "copy8-s6", _LONG,
                          "RMT, full BPTT, 6 segments from the start")
 ROWS["copy-s6-curriculum"] = ("copy-rmt-cpu", "copy8-s6", _LONG + [
     "curriculum.segments=[1,2,3,6]", "curriculum.advance=accuracy",
     "curriculum.threshold=0.95"], "RMT, full BPTT, curriculum 1-2-3-6 segments")
+_rows("ar", 3, ("xl",))
 
 
-def run_row(name: str, max_steps: int | None) -> dict:
+def _run_seconds(run_dir: Path) -> float:
+    """Wall time of a finished run from its metrics (first to last logged time)."""
+    times = [json.loads(line)["time"] for line in
+             (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return times[-1] - times[0]
+
+
+def run_row(name: str, max_steps: int | None, reuse: bool = False) -> dict:
     config, data, overrides, what = ROWS[name]
     cmd = [MEMTRAIN, "train", "--config", config, *overrides, f"name=rmt-{name}",
            "tracking.experiment=rmt-tasks", "--no-resume"]
@@ -86,23 +106,26 @@ def run_row(name: str, max_steps: int | None) -> dict:
     shown = " ".join(["memtrain", *cmd[1:]])
     print(f"[{name}] {shown}", flush=True)
     run_dir = ROOT / "runs" / f"rmt-{name}"
-    if run_dir.exists():
-        subprocess.run(["rm", "-rf", str(run_dir)], check=True)
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    seconds = time.perf_counter() - start
-    (ROOT / "runs").mkdir(exist_ok=True)
-    (ROOT / "runs" / f"rmt-{name}.log").write_text(proc.stdout + proc.stderr)
+    if reuse and (run_dir / "eval_report.json").exists():
+        returncode, seconds = 0, _run_seconds(run_dir)
+    else:
+        if run_dir.exists():
+            subprocess.run(["rm", "-rf", str(run_dir)], check=True)
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        seconds, returncode = time.perf_counter() - start, proc.returncode
+        (ROOT / "runs").mkdir(exist_ok=True)
+        (ROOT / "runs" / f"rmt-{name}.log").write_text(proc.stdout + proc.stderr)
     row = {"name": name, "what": what, "data": data, "command": shown,
-           "exit": proc.returncode, "seconds": round(seconds)}
-    if proc.returncode == 0:
+           "exit": returncode, "seconds": round(seconds)}
+    if returncode == 0:
         report = json.loads((run_dir / "eval_report.json").read_text())
         row.update(accuracy=report["main"]["accuracy"], loss=report["main"]["loss"],
                    steps=report["step"])
         row["valid_accuracy"] = [json.loads(line).get("valid_accuracy") for line in
                                  (run_dir / "metrics.jsonl").read_text().splitlines()
                                  if "valid_accuracy" in line]
-    print(f"[{name}] exit {proc.returncode}, accuracy {row.get('accuracy')}, "
+    print(f"[{name}] exit {returncode}, accuracy {row.get('accuracy')}, "
           f"{seconds:.0f} s", flush=True)
     return row
 
@@ -114,6 +137,8 @@ def main(argv=None) -> int:
                    + ", ".join(ROWS))
     p.add_argument("--parallel", type=int, default=2, help="runs at once (1 thread each)")
     p.add_argument("--max-steps", type=int, help="override every config's max_steps")
+    p.add_argument("--reuse", action="store_true",
+                   help="report a row from its finished run directory instead of re-running")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "rmt_tasks.json"))
     args = p.parse_args(argv)
     names = args.only.split(",") if args.only else list(ROWS)
@@ -125,7 +150,7 @@ def main(argv=None) -> int:
             subprocess.run([MEMTRAIN, "tasks", *DATA[data], *SIZES, "--out", f"data/{data}"],
                            cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     with ThreadPoolExecutor(args.parallel) as pool:
-        rows = list(pool.map(lambda n: run_row(n, args.max_steps), names))
+        rows = list(pool.map(lambda n: run_row(n, args.max_steps, args.reuse), names))
     out = Path(args.out)
     old = json.loads(out.read_text()) if out.exists() else {}
     old.update({r["name"]: r for r in rows})

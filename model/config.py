@@ -110,8 +110,6 @@ class ModelConfig:
         for name in ("vocab_size", "n_layer", "d_model", "n_head", "d_inner", "tgt_len"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name}", f"must be > 0, got {getattr(self, name)}")
-        if self.mem_len < 0:
-            raise ConfigError("model.mem_len", f"must be >= 0, got {self.mem_len}")
         if self.d_head <= 0:
             if self.d_model % self.n_head:
                 raise ConfigError("model.n_head", f"n_head={self.n_head} does not divide "
@@ -124,20 +122,35 @@ class ModelConfig:
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise ConfigError(f"model.{name}", f"must be in [0, 1), got {p}")
-        if self.clamp_len < -1 or self.clamp_len == 0:
-            raise ConfigError("model.clamp_len", f"must be -1 (off) or > 0, got "
-                              f"{self.clamp_len}")
-        if self.same_length and self.mem_len == 0:
-            raise ConfigError("model.same_length", "needs mem_len > 0 (each query sees "
-                              "exactly mem_len keys)")
         if self.attn_impl not in ATTN_IMPLS:
             raise ConfigError("model.attn_impl", f"unknown {self.attn_impl!r}; choose "
                               f"one of {', '.join(ATTN_IMPLS)}")
+        self.check_lengths(self.mem_len, self.clamp_len, self.same_length)
         self._validate_adaptive()
         if self.mechanism == "lamemo":
             self._validate_lamemo()
         if self.mechanism == "rmt":
             self._validate_rmt()
+
+    def check_lengths(self, mem_len: int, clamp_len: int, same_length: bool,
+                      section: str = "model") -> None:
+        """The one check of memory lengths, at construction and for every evaluation
+        protocol (`section` names where the values came from, e.g. "eval")."""
+        if mem_len < 0:
+            raise ConfigError(f"{section}.mem_len", f"must be >= 0, got {mem_len}")
+        if clamp_len < -1 or clamp_len == 0:
+            raise ConfigError(f"{section}.clamp_len", f"must be -1 (off) or > 0, got "
+                              f"{clamp_len}")
+        if same_length and self.mechanism == "rmt":
+            raise ConfigError(f"{section}.same_length", "is not defined for RMT (memory rows "
+                              "see their blocks in full)")
+        if same_length and mem_len == 0:
+            raise ConfigError(f"{section}.same_length", "needs mem_len > 0 (each query sees "
+                              "exactly mem_len keys)")
+        if self.mechanism == "lamemo" and mem_len == 0:
+            raise ConfigError(f"{section}.mem_len", "LaMemo refreshes a memory; mem_len must "
+                              "be > 0 (use mechanism 'xl' with mem_len 0 for the no-memory "
+                              "baseline)")
 
     def _validate_adaptive(self) -> None:
         cutoffs = list(self.cutoffs)
@@ -159,10 +172,6 @@ class ModelConfig:
 
     def _validate_lamemo(self) -> None:
         o = self.lamemo
-        if self.mem_len == 0:
-            raise ConfigError("model.mem_len", "LaMemo refreshes a memory; mem_len must be "
-                              "> 0 (use mechanism 'xl' with mem_len 0 for the no-memory "
-                              "baseline)")
         if o.eps <= 0:
             raise ConfigError("model.lamemo.eps", f"must be > 0, got {o.eps}")
         if o.pos_enc not in ("disentangled", "xl"):
@@ -179,9 +188,6 @@ class ModelConfig:
         if not 0 <= o.mem_loss_token < self.vocab_size:
             raise ConfigError("model.rmt.mem_loss_token", f"must be a token id in "
                               f"[0, {self.vocab_size}), got {o.mem_loss_token}")
-        if self.same_length:
-            raise ConfigError("model.same_length", "is not defined for RMT (memory rows "
-                              "see their blocks in full)")
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:

@@ -11,6 +11,8 @@ mechanism.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -86,10 +88,20 @@ class MemoryLM(nn.Module):
         lengths = Lengths(self.lengths.mem_len if mem_len is None else mem_len,
                           self.lengths.clamp_len if clamp_len is None else clamp_len,
                           self.lengths.same_length if same_length is None else same_length)
-        probe = {**self.cfg.to_dict(), "mem_len": lengths.mem_len,
-                 "clamp_len": lengths.clamp_len, "same_length": lengths.same_length}
-        ModelConfig.from_dict(probe)  # same validation as at construction
+        self.cfg.check_lengths(lengths.mem_len, lengths.clamp_len, lengths.same_length)
         self.lengths = lengths
+
+    @contextmanager
+    def using_lengths(self, mem_len: int | None = None, clamp_len: int | None = None,
+                      same_length: bool | None = None) -> Iterator[Lengths]:
+        """`set_lengths` for the body of a with-block; the previous lengths come back after
+        it, also on an error (evaluation protocols, RECL, the speed comparison)."""
+        saved = self.lengths
+        self.set_lengths(mem_len, clamp_len, same_length)
+        try:
+            yield self.lengths
+        finally:
+            self.lengths = saved
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -76,11 +76,10 @@ class RMT(RelativeBackbone):
 
     def empty_state(self, batch_size: int, device=None) -> RMTMemory:
         m, d = self.init_memory.shape
-        cache = (XLMemory(length=torch.zeros(batch_size, dtype=torch.long, device=device))
-                 if self.cfg.mem_len > 0 else None)
+        # No XL cache yet: whether there is one is decided in forward by the run-time
+        # lengths (evaluation may switch it on or off), the one source of mem_len.
         return RMTMemory(tokens=torch.zeros(batch_size, m, d, device=device),
-                         fresh=torch.ones(batch_size, dtype=torch.bool, device=device),
-                         cache=cache)
+                         fresh=torch.ones(batch_size, dtype=torch.bool, device=device))
 
     def forward(self, h0: torch.Tensor, state: RMTMemory | None, lengths: Lengths):
         """h0 [B, L, d] -> (token hidden [B, L, d], RMTMemory with the write outputs)."""
@@ -94,7 +93,10 @@ class RMT(RelativeBackbone):
         x = torch.cat([mem_in, h0, mem_in], dim=1)
         n_q = x.shape[1]
 
-        cache = state.cache if lengths.mem_len > 0 else None
+        cache = None
+        if lengths.mem_len > 0:
+            cache = state.cache if state.cache is not None else XLMemory(
+                length=torch.zeros(bsz, dtype=torch.long, device=h0.device))
         c_now = cache.mem_len_now if cache is not None else 0
         allowed = rmt_allowed(m, n_tok, c_now, cache.length if cache is not None else None,
                               self.opts.read_mem_from_cache, h0.device)

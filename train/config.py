@@ -133,7 +133,9 @@ class DeepSpeedSection:
 class TrackingConfig:
     enabled: bool = True
     experiment: str = "memtrain"
-    # "" = env MLFLOW_TRACKING_URI, else a sqlite store in the run directory.
+    # "" = env MLFLOW_TRACKING_URI, else one sqlite store shared by every run of the runs
+    # root, <run_dir>/../mlflow.db (runs/mlflow.db); a run whose tracking.json names an
+    # existing sqlite store keeps it. sqlite:///runs/<name>/mlflow.db gives a run its own.
     uri: str = ""
 
 
@@ -245,20 +247,12 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(e.skip_segments >= 0, "eval.skip_segments", "must be >= 0")
     _check(e.max_segments == 0 or e.skip_segments < e.max_segments, "eval.skip_segments",
            f"skipping {e.skip_segments} of {e.max_segments} segments leaves nothing to score")
-    # Evaluation lengths go through the model's own validation (e.g. same_length needs
-    # mem_len > 0; RMT has no same_length).
-    probe = {**cfg.model.to_dict()}
-    if e.mem_len >= 0:
-        probe["mem_len"] = e.mem_len
-    if e.clamp_len is not None:
-        probe["clamp_len"] = e.clamp_len
-    if e.same_length is not None:
-        probe["same_length"] = e.same_length
-    try:
-        ModelConfig.from_dict(probe)
-    except ConfigError as err:
-        raise ConfigError(err.field.replace("model.", "eval.", 1), str(err).split(": ", 1)[1]) \
-            from None
+    # Evaluation lengths go through the model's own length check (e.g. same_length needs
+    # mem_len > 0; RMT has no same_length), the one every protocol passes.
+    m = cfg.model
+    cfg.model.check_lengths(m.mem_len if e.mem_len < 0 else e.mem_len,
+                            m.clamp_len if e.clamp_len is None else e.clamp_len,
+                            m.same_length if e.same_length is None else e.same_length, "eval")
 
     s = cfg.deepspeed
     _check(s.precision in PRECISIONS, "deepspeed.precision", f"unknown {s.precision!r}; "

@@ -63,8 +63,7 @@ def protocol_for(cfg: RunConfig, ev: EvalConfig | None = None, split: str | None
         max_segments=ev.max_segments)
     for key, value in changes.items():
         setattr(proto, key, value)
-    if proto.same_length and proto.mem_len == 0:
-        proto.same_length = False  # nothing to equalise without a memory
+    m.check_lengths(proto.mem_len, proto.clamp_len, proto.same_length, "eval")
     return proto
 
 
@@ -87,20 +86,18 @@ def evaluate(forward, model, manifest: Manifest, proto: EvalProtocol, rank: int,
     or the bare model; `model` is the module whose lengths are switched for the protocol.
     n_segments: cut task samples into this many segments (a curriculum stage) instead of the
     task's own count."""
-    saved = model.lengths
     was_training = model.training
-    model.set_lengths(mem_len=proto.mem_len, clamp_len=proto.clamp_len,
-                      same_length=proto.same_length)
     model.eval()
     start = time.perf_counter()
     try:
-        if manifest.kind == "episodes":
-            sums = _episodes(forward, manifest, proto, rank, world_size, device, seed,
-                             url_template, n_segments)
-        else:
-            sums = _stream(forward, manifest, proto, rank, world_size, device, url_template)
+        with model.using_lengths(proto.mem_len, proto.clamp_len, proto.same_length):
+            if manifest.kind == "episodes":
+                sums = _episodes(forward, manifest, proto, rank, world_size, device, seed,
+                                 url_template, n_segments)
+            else:
+                sums = _stream(forward, manifest, proto, rank, world_size, device,
+                               url_template)
     finally:
-        model.lengths = saved
         model.train(was_training)
     nll, n, correct = all_reduce_sum(sums, device)
     loss = nll / max(n, 1)

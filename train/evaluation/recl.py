@@ -84,20 +84,19 @@ def per_token_losses(model, manifest, split: str, rows: int, tgt_len: int, conte
     """NLL of tokens skip..end of every row with evaluation memory `context`, [rows * n]."""
     from data_pipeline.streams import TokenStream
 
-    saved, was_training = model.lengths, model.training
+    was_training = model.training
     same = model.cfg.mechanism != "rmt" and context > 0
-    model.set_lengths(mem_len=context, same_length=same)
     model.eval()
     stream = TokenStream(manifest, split, rows, tgt_len, 0, 1, url_template=url_template)
     state, parts = None, []
     try:
-        for _, seg in zip(range(end // tgt_len), stream, strict=False):
-            tokens = seg.tokens.to(device)
-            out = model(tokens[:, :-1], state, targets=tokens[:, 1:])
-            state = out.state
-            parts.append(out.nll.float().cpu())
+        with model.using_lengths(mem_len=context, same_length=same):
+            for _, seg in zip(range(end // tgt_len), stream, strict=False):
+                tokens = seg.tokens.to(device)
+                out = model(tokens[:, :-1], state, targets=tokens[:, 1:])
+                state = out.state
+                parts.append(out.nll.float().cpu())
     finally:
-        model.lengths = saved
         model.train(was_training)
     return torch.cat(parts, dim=1)[:, skip:end].reshape(-1)
 

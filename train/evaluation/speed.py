@@ -44,14 +44,12 @@ _WINDOW_POSITIONS = 8192
 @contextmanager
 def _evaluation_mode(model: MemoryLM, **lengths) -> Iterator[None]:
     """Eval mode (no dropout) and, if given, other memory lengths; both restored after."""
-    saved, was_training = model.lengths, model.training
-    if lengths:
-        model.set_lengths(**lengths)
+    was_training = model.training
     model.eval()
     try:
-        yield
+        with model.using_lengths(**lengths):
+            yield
     finally:
-        model.lengths = saved
         model.train(was_training)
 
 
