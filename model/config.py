@@ -11,16 +11,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+# ConfigError lives with the typed builder (one error for every config tree); it is imported
+# here so `from model.config import ConfigError` and `model.ConfigError` stay the same class.
+from .typed import ConfigError, build_dataclass
+
 MECHANISMS = ("xl", "lamemo", "rmt")
 ATTN_IMPLS = ("fused", "plain")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the reason."""
-
-    def __init__(self, field_name: str, reason: str):
-        self.field = field_name
-        super().__init__(f"{field_name}: {reason}")
 
 
 @dataclass
@@ -195,13 +191,12 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        return _build_options(cls, data, "model")
+        """Typed like the run config (`model.typed.build_dataclass`): an unknown or mistyped
+        field, nested ones included, fails naming its dotted path under `model`."""
+        return build_dataclass(cls, data, "model")
 
 
 def _build_options(cls, values: dict[str, Any], prefix: str):
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(f"{prefix}.{unknown[0]}", f"unknown field; known fields: "
-                          f"{', '.join(sorted(known))}")
-    return cls(**values)
+    # Options given as dicts to the constructor (`ModelConfig(rmt={...})`) are typed by the
+    # same builder as `from_dict`, so both paths give the same errors.
+    return build_dataclass(cls, values, prefix)

@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from model import ConfigError, ModelConfig
-from model.config import LaMemoOptions, RMTOptions
+# model.typed: the one typed builder of every config tree (the model's too) and its error.
+# ConfigError is re-exported from here for the layers above (cluster/, the command lines),
+# which build on the run config and need not know where in model/ it is defined.
+from model import ModelConfig
+from model.typed import ConfigError, build_dataclass
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 BPTT_MODES = ("window", "sliding")
@@ -273,83 +274,6 @@ def resolve_path(path: str) -> Path:
     return PROJECT_ROOT / p
 
 
-# ----------------------------------------------------------------------------- typed build
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", str(tp))
-
-
-def _coerce(value: Any, tp: Any, name: str) -> Any:
-    """Check `value` against the annotation `tp` (YAML gives ints for floats: accept)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, name)
-            except ConfigError:
-                continue
-        raise ConfigError(name, f"expected {' or '.join(_type_name(a) for a in args)}, got "
-                          f"{value!r}")
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise ConfigError(name, f"expected a mapping of fields, got {value!r}")
-        return build_dataclass(tp, value, name)
-    if origin is list:
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(name, f"expected a list, got {value!r}")
-        (item,) = typing.get_args(tp) or (Any,)
-        return [_coerce(v, item, f"{name}[{i}]") for i, v in enumerate(value)]
-    if tp is dict or origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(name, f"expected a mapping, got {value!r}")
-        return dict(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(name, f"expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(name, f"expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str):
-            # PyYAML (YAML 1.1) reads 1e-4 as a string: it needs "1.0e-4". Accept both.
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(name, f"expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(name, f"expected a string, got {value!r}")
-        return value
-    return value
-
-
-def build_dataclass(cls, values: dict, prefix: str):
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls) if f.init}
-    for key in values:
-        if key not in known:
-            where = f"{prefix}.{key}" if prefix else key
-            raise ConfigError(where, f"unknown field; known fields: {', '.join(sorted(known))}")
-    kwargs = {k: _coerce(v, hints[k], f"{prefix}.{k}" if prefix else k)
-              for k, v in values.items()}
-    return cls(**kwargs)
-
-
-# ModelConfig's nested options are typed too, so `model.rmt.num_mem_tokens=x` is checked.
-_NESTED = {ModelConfig: {"lamemo": LaMemoOptions, "rmt": RMTOptions}}
-
-
 # ----------------------------------------------------------------------------- loading
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     keys = dotted.split(".")
@@ -402,23 +326,10 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple = ()) -> R
 
 
 def from_dict(tree: dict) -> RunConfig:
+    """The typed, validated run config of a plain tree (YAML + overrides). Every section,
+    `model` and its `lamemo` / `rmt` options included, goes through the same builder."""
     tree = json.loads(json.dumps(tree))  # a private deep copy
-    model_tree = tree.pop("model", {}) or {}
-    if not isinstance(model_tree, dict):
-        raise ConfigError("model", "must be a mapping of model fields")
-    for sub, cls in _NESTED[ModelConfig].items():
-        if sub in model_tree:
-            model_tree[sub] = _coerce(model_tree[sub], cls, f"model.{sub}")
-    model_fields = {k: v for k, v in model_tree.items() if k not in _NESTED[ModelConfig]}
-    hints = typing.get_type_hints(ModelConfig)
-    for key, value in model_fields.items():
-        if key not in hints:
-            raise ConfigError(f"model.{key}", "unknown field; known fields: "
-                              f"{', '.join(sorted(hints))}")
-        model_tree[key] = _coerce(value, hints[key], f"model.{key}")
-    cfg = build_dataclass(RunConfig, tree, "")
-    cfg.model = ModelConfig(**model_tree)
-    return validate(cfg)
+    return validate(build_dataclass(RunConfig, tree, ""))
 
 
 def dump_yaml(cfg: RunConfig) -> str:
