@@ -15,19 +15,25 @@ Two ways to cut the stream into windows (`bptt.mode`):
              oldest of them was new, then the new segment; only the new segment's loss counts
              (unless loss_on_rerun), and every loss reaches k segments back (RMT LM code).
 
-`run_window` is what the engine runs; `SlidingHistory` keeps the saved inputs and memories,
-which are part of the resumable training state.
+Task samples (episodic data) are a third plan: one whole sample per micro-step, fresh
+memory, BPTT through its last k+1 segments (all of them when k >= n_segments - 1).
+
+`WindowPlan` is built once from the BPTT config and the data regime and is the only place
+that knows them: it hands the loop the next window, says what memory to carry after the
+step, and owns its resumable state (the sliding history, with its depth checked on load).
+`run_window` runs a window; `SlidingHistory` keeps the saved inputs and memories.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from data_pipeline.streams import SegmentBatch
-from model import MemoryState
+from model import ConfigError, MemoryState
 
 
 @dataclass
@@ -151,6 +157,10 @@ class SlidingHistory:
              it.state_before.to("cpu").state_dict()} for it in self.items]}
 
     def load_state_dict(self, data: dict, device: torch.device) -> None:
+        if data["items"] and data["depth"] != self.depth:
+            raise ConfigError("bptt.depth", f"the checkpoint's sliding-BPTT history was saved "
+                              f"with depth {data['depth']}, this run has {self.depth}; resume "
+                              "with the same bptt.depth")
         self.items.clear()
         for it in data["items"]:
             seg = SegmentBatch(it["tokens"], it["reset"], it["loss_mask"], it["epoch"],
@@ -158,3 +168,62 @@ class SlidingHistory:
             st = it["state_before"]
             st = None if st is None else MemoryState.from_state_dict(st).to(device)
             self.items.append(_Saved(seg, st))
+
+
+@dataclass
+class Window:
+    """One micro-step's work for `run_window`."""
+
+    start: MemoryState | None            # memory entering the first segment
+    segments: list[SegmentBatch]
+    counted: list[bool] | None = None    # whose losses count (None: all)
+    cuts: frozenset = frozenset()        # segment indices where the memory is detached
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens this rank trains on for the first time in this window (a sliding window
+        re-runs all but its last segment)."""
+        fresh = self.segments if self.counted is None else [
+            s for s, c in zip(self.segments, self.counted, strict=True) if c]
+        return sum(s.tokens.shape[0] * (s.tokens.shape[1] - 1) for s in fresh)
+
+
+class WindowPlan:
+    """How the stream is cut into BPTT windows, decided once from `bptt.*` and the data.
+
+        plan = WindowPlan(cfg.bptt, episodic=manifest.kind == "episodes")
+        window = plan.next_window(batches, memory)     # before the step
+        memory = plan.after_step(window, result)       # the memory to carry on
+    """
+
+    def __init__(self, bptt, episodic: bool):
+        if episodic and bptt.mode == "sliding":
+            raise ConfigError("bptt.mode", "sliding applies to token streams; task samples "
+                              "run BPTT through the sample (bptt.depth limits it)")
+        self.depth, self.loss_on_rerun = bptt.depth, bptt.loss_on_rerun
+        self.kind = "episodes" if episodic else bptt.mode
+        self.history = SlidingHistory(self.depth if self.kind == "sliding" else 0)
+
+    def next_window(self, batches: Iterator, memory: MemoryState | None) -> Window:
+        if self.kind == "episodes":  # fresh memory, windows aligned to the sample's end
+            segs = next(batches)
+            return Window(None, segs, cuts=episode_cuts(len(segs), self.depth))
+        if self.kind == "window":
+            return Window(memory, [next(batches) for _ in range(self.depth + 1)])
+        new = next(batches)
+        start, segs = self.history.window(new, memory)
+        return Window(start, segs, [self.loss_on_rerun] * (len(segs) - 1) + [True])
+
+    def after_step(self, window: Window, result: WindowResult) -> MemoryState | None:
+        """The memory the next window starts from (None: each sample starts fresh)."""
+        if self.kind == "episodes":
+            return None
+        if self.kind == "sliding":
+            self.history.push(window.segments[-1], result.state_before_last)
+        return result.state
+
+    def state_dict(self) -> dict:
+        return self.history.state_dict()
+
+    def load_state_dict(self, data: dict, device: torch.device) -> None:
+        self.history.load_state_dict(data, device)

@@ -36,7 +36,7 @@ def restore(info, engine, state: TrainState, stream, env, device) -> None:
         stream.load_state_dict(payload["stream"])
         mem = payload["memory"]
         state.memory = None if mem is None else MemoryState.from_state_dict(mem).to(device)
-        state.history.load_state_dict(payload["history"], device)
+        state.plan.load_state_dict(payload["history"], device)
         ckpt.set_rng_state(payload["rng"])
     else:
         with warnings.catch_warnings():
@@ -82,4 +82,4 @@ def _regroup_rows(info, state: TrainState, rows: range, device) -> None:
             "loss_mask": None if masks[0] is None else torch.cat(masks)[index],
             "epoch": first["epoch"], "step": first["step"],
             "state_before": None if before is None else before.to("cpu").state_dict()})
-    state.history.load_state_dict({"depth": histories[0]["depth"], "items": items}, device)
+    state.plan.load_state_dict({"depth": histories[0]["depth"], "items": items}, device)

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -27,8 +27,9 @@ from data_pipeline.streams import EpisodeStream, LayoutError, TokenStream
 from model import ConfigError, MemoryState, bits_per_token, build_model
 
 from . import checkpoint as ckpt
-from .bptt import SlidingHistory, episode_cuts, run_window
+from .bptt import WindowPlan, run_window
 from .config import RunConfig, dump_yaml
+from .curriculum import SegmentCurriculum
 from .distributed import all_reduce_sum, barrier, device_for, init_process_group, resolve_env
 from .engine import build_ds_config, initialize, zero_stage
 from .evaluation.evaluate import evaluate, headline, protocol_for
@@ -46,7 +47,7 @@ class TrainState:
     step: int = 0                        # optimizer steps done
     tokens_seen: int = 0                 # counted training tokens, all ranks
     memory: MemoryState | None = None    # this rank's rows, carried between windows
-    history: SlidingHistory = field(default_factory=lambda: SlidingHistory(0))
+    plan: WindowPlan | None = None       # the BPTT windows and their resumable state
 
 
 class StopSignal:
@@ -101,28 +102,8 @@ def open_data(cfg: RunConfig, rank: int):
         if seg != cfg.model.tgt_len:
             raise ConfigError("model.tgt_len", f"{cfg.model.tgt_len} differs from the task's "
                               f"segment length {seg} ({cfg.data.path})")
-        if cfg.bptt.mode == "sliding":
-            raise ConfigError("bptt.mode", "sliding applies to token streams; task samples "
-                              "run BPTT through the sample (bptt.depth limits it)")
-    _check_curriculum(cfg.curriculum.segments, manifest, cfg.data.path)
+    WindowPlan(cfg.bptt, manifest.kind == "episodes")  # refuses what cannot be planned
     return manifest
-
-
-def _check_curriculum(stages: list[int], manifest, path: str) -> None:
-    if not stages:
-        return
-    if manifest.kind != "episodes":
-        raise ConfigError("curriculum.segments", f"a segment curriculum needs task data "
-                          f"(memtrain tasks); {path} holds a token stream")
-    n_task = int(manifest.extra["n_segments"])
-    positions = manifest.chunk_tokens - 1
-    if stages[-1] != n_task:
-        raise ConfigError("curriculum.segments", f"must end at the task's {n_task} segments "
-                          f"({path}), got {stages}")
-    bad = [n for n in stages if positions % n]
-    if bad:
-        raise ConfigError("curriculum.segments", f"{bad} do not divide the task's {positions} "
-                          f"positions into equal segments")
 
 
 def _stream(cfg: RunConfig, manifest, rank: int, world: int):
@@ -157,6 +138,7 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     barrier()
     manifest = open_data(cfg, env.rank)
     stream = _stream(cfg, manifest, env.rank, env.world_size)
+    curriculum = SegmentCurriculum(cfg.curriculum, stream, manifest, cfg.data.path)
     info = ckpt.find_latest(ckpt_root) if resume else None
     if resume == "require" and info is None:
         raise ConfigError("--resume", f"no complete checkpoint in {ckpt_root}")
@@ -181,18 +163,12 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model)
     engine, schedule = initialize(model, cfg, ds_config)
-    state = TrainState(history=SlidingHistory(cfg.bptt.depth if cfg.bptt.mode == "sliding"
-                                              else 0))
+    state = TrainState(plan=WindowPlan(cfg.bptt, manifest.kind == "episodes"))
     if info is not None:
         restore(info, engine, state, stream, env, device)  # the curriculum stage included
         if env.is_main:
             print(f"resumed from {info.path} at step {state.step}", flush=True)
-    elif cfg.curriculum.segments:
-        stream.set_segments(cfg.curriculum.segments[0])
-    if cfg.curriculum.segments and stream.n_segments not in cfg.curriculum.segments:
-        raise ConfigError("curriculum.segments", f"the checkpoint was training on "
-                          f"{stream.n_segments} segments per sample, which is not a stage of "
-                          f"{cfg.curriculum.segments}")
+    curriculum.start(resumed=info is not None)
     tracker = Tracker(run_dir, enabled=env.is_main, experiment=cfg.tracking.experiment,
                       run_name=cfg.name, tracking_uri=cfg.tracking.uri or None,
                       params={**cfg.to_dict(), "ds": ds_config,
@@ -207,7 +183,7 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     tracker.log_artifact(run_dir / "config.yaml", "config")
     tracker.log_artifact(run_dir / "ds_config.json", "config")
     loop = _Loop(cfg, env, device, engine, schedule, stream, manifest, state, tracker, ckpt_root,
-                 zero_stage(ds_config))
+                 zero_stage(ds_config), curriculum)
     try:
         status = loop.run()
     except BaseException:
@@ -227,35 +203,27 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
 
 class _Loop:
     def __init__(self, cfg, env, device, engine, schedule, stream, manifest, state, tracker,
-                 ckpt_root, stage):
+                 ckpt_root, stage, curriculum):
         self.cfg, self.env, self.device, self.engine = cfg, env, device, engine
         self.schedule, self.stream, self.manifest, self.state = schedule, stream, manifest, state
         self.tracker, self.ckpt_root, self.stage = tracker, ckpt_root, stage
-        self.episodic = manifest.kind == "episodes"
+        self.curriculum = curriculum
         self.signals = StopSignal()
         self.fp16 = cfg.deepspeed.precision == "fp16"
 
     # ------------------------------------------------------------------ one micro-step
-    def _window(self, batches):
-        b, st = self.cfg.bptt, self.state
-        if self.episodic:
-            segs = next(batches)
-            return None, segs, None, episode_cuts(len(segs), b.depth)
-        if b.mode == "window":
-            return st.memory, [next(batches) for _ in range(b.depth + 1)], None, frozenset()
-        new = next(batches)
-        start, segs = st.history.window(new, st.memory)
-        counted = [b.loss_on_rerun] * (len(segs) - 1) + [True]
-        return start, segs, counted, frozenset()
-
-    def _micro_step(self, batches) -> tuple[float, float, bool]:
-        start, segs, counted, cuts = self._window(batches)
-        res = run_window(self.engine, start, segs, self.device, counted=counted,
-                         detach_before=cuts, checkpoint_segments=self.cfg.bptt.checkpoint_segments)
+    def _micro_step(self, batches) -> tuple[float, float, bool, int]:
+        """One window, one backward: (nll sum, counted tokens, stop flag, new tokens), the
+        sums over all ranks."""
+        window = self.state.plan.next_window(batches, self.state.memory)
+        res = run_window(self.engine, window.start, window.segments, self.device,
+                         counted=window.counted, detach_before=window.cuts,
+                         checkpoint_segments=self.cfg.bptt.checkpoint_segments)
         finite = bool(torch.isfinite(res.loss.detach()))
-        nll, n, bad, stop = all_reduce_sum([float(res.nll_sum), float(res.n_tokens),
-                                            0.0 if finite else 1.0,
-                                            1.0 if self.signals.received else 0.0], self.device)
+        nll, n, bad, stop, new = all_reduce_sum([float(res.nll_sum), float(res.n_tokens),
+                                                 0.0 if finite else 1.0,
+                                                 1.0 if self.signals.received else 0.0,
+                                                 float(window.new_tokens)], self.device)
         if bad and not self.fp16:
             raise NonFiniteLoss(
                 f"non-finite loss at step {self.state.step + 1} on {int(bad)} rank(s); "
@@ -266,18 +234,15 @@ class _Loop:
                           "skips this step", stacklevel=2)
         self.engine.backward(res.loss)
         self.engine.step()
-        if not self.episodic:
-            if self.cfg.bptt.mode == "sliding":
-                self.state.history.push(segs[-1], res.state_before_last)
-            self.state.memory = res.state
-        return nll, n, bool(stop)
+        self.state.memory = self.state.plan.after_step(window, res)
+        return nll, n, bool(stop), int(new)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> None:
         st = self.state
         payload = {"step": st.step, "tokens_seen": st.tokens_seen,
                    "memory": None if st.memory is None else st.memory.to("cpu").state_dict(),
-                   "history": st.history.state_dict(), "stream": self.stream.state_dict(),
+                   "history": st.plan.state_dict(), "stream": self.stream.state_dict(),
                    "rank": self.env.rank}
         meta = {"world_size": self.env.world_size, "zero_stage": self.stage,
                 "global_batch": self.cfg.data.global_batch, "name": self.cfg.name,
@@ -296,7 +261,7 @@ class _Loop:
         proto = protocol_for(cfg, split=split)
         # During a curriculum, validation scores the stage being trained; the final
         # evaluation always scores the task's own segment count.
-        stage = self.stream.n_segments if self.episodic and not final else None
+        stage = None if final else self.curriculum.segments
         report = evaluate(self.engine, self.engine.module, self.manifest, proto, self.env.rank,
                           self.env.world_size, self.device,
                           url_template=cfg.data.url_template, seed=cfg.data.seed,
@@ -311,31 +276,25 @@ class _Loop:
             print(f"[{prefix} step {self.state.step}] {headline(report)}", flush=True)
         if not final and self.schedule.report(report["loss"]) and self.env.is_main:
             print(f"plateau: lr lowered to {self.schedule.get_last_lr()[0]:.3g}", flush=True)
-        c = cfg.curriculum
-        if not final and c.segments and c.advance == "accuracy" and \
-                report.get("accuracy", 0.0) >= c.threshold:
-            self.advance_curriculum()
+        if not final:
+            self._stage_changed(self.curriculum.after_validation(report.get("accuracy")))
         return report
 
-    def advance_curriculum(self) -> None:
-        """Next stage of the segment curriculum, if any (every rank at the same step: the
-        step count and the all-reduced validation accuracy are the same everywhere)."""
-        stages = self.cfg.curriculum.segments
-        i = stages.index(self.stream.n_segments)
-        if i + 1 == len(stages):
+    def _stage_changed(self, segments: int | None) -> None:
+        """A curriculum stage began: the task got harder, so the plateau schedule's best
+        validation loss is forgotten; the new count is logged at its first step."""
+        if segments is None:
             return
-        self.stream.set_segments(stages[i + 1])
         self.schedule.restart_patience()
-        # Logged at the first step that trains on the new count (as the per-step metric is).
-        self.tracker.log_metrics({"curriculum_segments": stages[i + 1]}, self.state.step + 1)
+        self.tracker.log_metrics({"curriculum_segments": segments}, self.state.step + 1)
         if self.env.is_main:
-            print(f"curriculum: {stages[i]} -> {stages[i + 1]} segments per sample after "
-                  f"step {self.state.step}", flush=True)
+            print(f"curriculum: {segments} segments per sample after step {self.state.step}",
+                  flush=True)
 
     def final_reports(self) -> None:
         cfg = self.cfg
         reports = {"main": self.validate(final=True)}
-        if cfg.eval.no_memory_baseline and not self.episodic:
+        if cfg.eval.no_memory_baseline:
             proto = protocol_for(cfg, carry_memory=False)
             base = evaluate(self.engine, self.engine.module, self.manifest, proto,
                             self.env.rank, self.env.world_size, self.device,
@@ -359,10 +318,10 @@ class _Loop:
         stop = False
         while st.step < cfg.max_steps and not stop:
             for _ in range(cfg.deepspeed.grad_accum):
-                nll, n, stop_now = self._micro_step(batches)
+                nll, n, stop_now, new = self._micro_step(batches)
                 loss_sum, loss_n, stop = loss_sum + nll, loss_n + n, stop or stop_now
+                st.tokens_seen += new
             st.step += 1
-            st.tokens_seen += self._step_tokens()
             if st.step % cfg.log_every == 0 or st.step == cfg.max_steps:
                 now = time.perf_counter()
                 loss = loss_sum / max(loss_n, 1)
@@ -370,8 +329,7 @@ class _Loop:
                            "lr": self.schedule.get_last_lr()[0],
                            "tokens_per_s": (st.tokens_seen - tokens_at_log) / (now - last_log),
                            "peak_mem_mb": peak_memory_mb(self.device)}
-                if self.episodic:
-                    metrics["curriculum_segments"] = self.stream.n_segments
+                metrics.update(self.curriculum.metrics())
                 norm = self.engine.get_global_grad_norm()
                 if norm is not None:
                     metrics["grad_norm"] = float(norm)
@@ -382,9 +340,7 @@ class _Loop:
                 progress.update(st.step, None)
             if cfg.eval.every and st.step % cfg.eval.every == 0 and st.step < cfg.max_steps:
                 self.validate()
-            c = cfg.curriculum
-            if c.segments and c.advance == "steps" and st.step % c.every == 0:
-                self.advance_curriculum()
+            self._stage_changed(self.curriculum.after_step(st.step))
             if stop or (cfg.save_every and st.step % cfg.save_every == 0):
                 self.save()
                 saved_at = st.step
@@ -404,13 +360,6 @@ class _Loop:
                                     "model.safetensors", cfg.model)
             print(f"exported {out}", flush=True)
         return "finished"
-
-    def _step_tokens(self) -> int:
-        """Training tokens one optimizer step consumes over all ranks (new segments only)."""
-        cfg = self.cfg
-        if self.episodic:
-            return cfg.data.global_batch * cfg.deepspeed.grad_accum * self.stream.seq_len
-        return cfg.data.global_batch * cfg.segments_per_step() * cfg.model.tgt_len
 
 
 def main_entry(cfg: RunConfig, resume: bool | str) -> int:

@@ -141,6 +141,9 @@ def _episodes(forward, manifest, proto, rank, world_size, device, seed, url_temp
         n_batches = min(n_batches, max(1, proto.max_segments // stream.n_segments))
     nll, n, correct = 0.0, 0, 0
     for _, segs in zip(range(n_batches), stream, strict=False):
+        if not proto.carry_memory:  # the memory switched off: every segment starts fresh
+            for seg in segs:
+                seg.reset[:] = True
         res = run_window(forward, None, segs, device, score=True)
         nll += float(res.nll_sum)
         n += int(res.n_tokens)
