@@ -167,11 +167,6 @@ class RunConfig:
     def resolved_run_dir(self) -> Path:
         return Path(self.run_dir.format(name=self.name))
 
-    def segments_per_step(self) -> int:
-        """New segments each row consumes per optimizer step."""
-        per_window = self.bptt.depth + 1 if self.bptt.mode == "window" else 1
-        return per_window * self.deepspeed.grad_accum
-
 
 # ----------------------------------------------------------------------------- validation
 def _check(cond: bool, name: str, reason: str) -> None:
