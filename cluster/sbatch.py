@@ -19,83 +19,18 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from model import ConfigError
+# The options (one dataclass, also the `memtrain submit` flags) and their validation.
+from .options import ConfigError, SubmitOptions
 
-LAUNCHERS = ("srun", "deepspeed")
 # The rank entry point as a file: DeepSpeed's slurm backend runs `python -u <script>` and
 # ignores --module (deepspeed/launcher/multinode_runner.py, SlurmRunner.get_cmd).
 TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "train" / "__main__.py"
 # Precision a GPU generation wants when the run config does not choose: V100s have no bf16,
 # so fp16 with dynamic loss scaling; A100/H100 train in bf16.
 PRECISION_FOR_GPU = {"v100": "fp16", "a100": "bf16", "h100": "bf16"}
-# SLURM names: letters, digits and a few separators; no spaces, quotes or shell metacharacters.
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
-_CONSTRAINT = re.compile(r"^[A-Za-z0-9_.\-&|\[\]*:()]{1,128}$")
-_TIME = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")          # MM, H:MM:SS, D-HH:MM:SS
-_MEM = re.compile(r"^\d+[KMGT]?$")
-_GPU_TYPE = re.compile(r"^[A-Za-z0-9_\-]{1,32}$")
 _PATH = re.compile(r"^[A-Za-z0-9_./\-+]+$")
-
-
-@dataclass
-class SubmitOptions:
-    nodes: int = 1
-    gpus_per_node: int = 1
-    time: str = "24:00:00"
-    partition: str = ""
-    account: str = ""
-    qos: str = ""
-    constraint: str = ""
-    cpus_per_task: int = 8
-    tasks_per_node: int = 0            # 0: one per GPU (1 for a CPU job)
-    mem: str = ""
-    exclusive: bool = False
-    gpu_type: str = ""                 # e.g. v100, a100: --gres=gpu:<type>:<n>
-    setup: list[str] = field(default_factory=list)
-    launcher: str = "srun"
-    signal_seconds: int = 300          # warning before the time limit
-    max_requeues: int = 10
-    job_name: str = "memtrain"
-    python: str = "python"             # the interpreter on the nodes (a venv's bin/python)
-
-    def validate(self) -> SubmitOptions:
-        def need(cond, name, reason):
-            if not cond:
-                raise ConfigError(f"--{name.replace('_', '-')}", reason)
-
-        need(self.nodes >= 1, "nodes", f"must be >= 1, got {self.nodes}")
-        need(self.gpus_per_node >= 0, "gpus_per_node", "must be >= 0 (0: CPU job)")
-        need(self.cpus_per_task >= 1, "cpus_per_task", "must be >= 1")
-        need(self.tasks_per_node >= 0, "tasks_per_node", "must be >= 0")
-        need(bool(_TIME.match(self.time)), "time", f"{self.time!r} is not a SLURM time "
-             "(minutes, H:MM:SS or D-HH:MM:SS)")
-        for name in ("partition", "account", "qos", "job_name"):
-            value = getattr(self, name)
-            need(not value or bool(_NAME.match(value)), name,
-                 f"{value!r}: only letters, digits, '_', '.', '-' are allowed")
-        need(not self.constraint or bool(_CONSTRAINT.match(self.constraint)), "constraint",
-             f"{self.constraint!r} is not a SLURM feature expression")
-        need(not self.mem or bool(_MEM.match(self.mem)), "mem",
-             f"{self.mem!r} is not a SLURM memory size (e.g. 64G)")
-        need(not self.gpu_type or bool(_GPU_TYPE.match(self.gpu_type)), "gpu_type",
-             f"{self.gpu_type!r} is not a GPU type name")
-        need(self.launcher in LAUNCHERS, "launcher", f"choose {' or '.join(LAUNCHERS)}")
-        need(self.signal_seconds >= 0, "signal_seconds", "must be >= 0")
-        need(self.max_requeues >= 0, "max_requeues", "must be >= 0")
-        for line in self.setup:
-            need("\n" not in line and "\r" not in line, "setup", "one command per --setup")
-            try:
-                shlex.split(line)
-            except ValueError as err:
-                raise ConfigError("--setup", f"{line!r}: {err}") from None
-        return self
-
-    @property
-    def ntasks_per_node(self) -> int:
-        return self.tasks_per_node or max(1, self.gpus_per_node)
 
 
 def _setup_line(line: str) -> str:

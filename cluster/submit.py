@@ -21,39 +21,20 @@ import sys
 import time
 from pathlib import Path
 
-from model import ConfigError
-from train.config import load_config
+from train.config import ConfigError, load_config
 
 from .jobs import record_job
-from .sbatch import LAUNCHERS, SubmitOptions, render
+from .options import add_flags, from_args
+from .sbatch import render
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memtrain submit", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True)
+    p.add_argument("--config", required=True,
+                   help="a YAML run config, or the name of one in configs/")
     p.add_argument("overrides", nargs="*", metavar="section.field=value")
-    d = SubmitOptions()
-    p.add_argument("--nodes", type=int, default=d.nodes)
-    p.add_argument("--gpus-per-node", type=int, default=d.gpus_per_node)
-    p.add_argument("--gpu-type", default=d.gpu_type, help="e.g. v100, a100 (in --gres)")
-    p.add_argument("--tasks-per-node", type=int, default=d.tasks_per_node,
-                   help="ranks per node (default: one per GPU)")
-    p.add_argument("--launcher", choices=LAUNCHERS, default=d.launcher,
-                   help="srun: one task per GPU; deepspeed: DeepSpeed's launcher with its "
-                        "slurm backend and a hostfile from the node list")
-    p.add_argument("--time", default=d.time)
-    for name in ("partition", "account", "qos", "constraint", "mem"):
-        p.add_argument(f"--{name}", default="")
-    p.add_argument("--cpus-per-task", type=int, default=d.cpus_per_task)
-    p.add_argument("--exclusive", action="store_true")
-    p.add_argument("--setup", action="append", default=[],
-                   help="a command run before training, e.g. 'module load cuda/12.1' (repeat)")
-    p.add_argument("--signal-seconds", type=int, default=d.signal_seconds,
-                   help="SLURM sends USR1 this long before the time limit: checkpoint, requeue")
-    p.add_argument("--max-requeues", type=int, default=d.max_requeues)
-    p.add_argument("--job-name", default="")
-    p.add_argument("--python", default=sys.executable, help="python on the nodes")
+    add_flags(p)  # one flag per SubmitOptions field (cluster/options.py)
     p.add_argument("--sweep", action="append", default=[], metavar="FIELD=V1,V2,...",
                    help="a grid axis (repeat for more axes): one job array element per "
                         "combination, each its own run and MLflow run in one experiment")
@@ -91,14 +72,7 @@ def main_submit(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         run_dir = cfg.resolved_run_dir.absolute()
-        opts = SubmitOptions(
-            nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_type=args.gpu_type,
-            tasks_per_node=args.tasks_per_node, time=args.time, partition=args.partition,
-            account=args.account, qos=args.qos, constraint=args.constraint, mem=args.mem,
-            cpus_per_task=args.cpus_per_task, exclusive=args.exclusive, setup=args.setup,
-            signal_seconds=args.signal_seconds, max_requeues=args.max_requeues,
-            job_name=args.job_name or cfg.name, python=args.python,
-            launcher=args.launcher)
+        opts = from_args(args, job_name=cfg.name)
         config_path = Path(args.config)
         config_path = config_path.absolute() if config_path.is_file() else args.config
         sweep = _sweep(args, cfg.name, run_dir)
