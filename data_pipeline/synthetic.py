@@ -1,6 +1,7 @@
 """Synthetic long-range streams, generated on the fly (no download).
 
-`repeat_block_stream` follows SPEC §6.2: blocks [A | filler | A] where A is `block` random
+`repeat_block_stream` makes the quickstart's stream (README.md "Quickstart"; run configs
+`data.generate: repeat_blocks`): blocks [A | filler | A] where A is `block` random
 symbols and the filler `filler` random symbols. The second copy of A is predictable only by a
 model that remembers A across the filler; with segment length 32 the repeat lies about 64
 tokens back, beyond one segment but inside memory + segment. A model without memory stays
@@ -28,7 +29,8 @@ def repeat_block_stream(n_blocks: int, block: int = 24, filler: int = 40, n_symb
 
 def contiguous_streams(tokens: torch.Tensor, n_streams: int) -> torch.Tensor:
     """Cut one sequence into n_streams contiguous rows [n_streams, len // n_streams]
-    (the XL data layout, SPEC §1.7); the tail that does not fill a row is dropped."""
+    (the layout of the Transformer-XL code's LMOrderedIterator; README.md "Data: shards and
+    ordered streams"); the tail that does not fill a row is dropped."""
     per = tokens.shape[0] // n_streams
     if per == 0:
         raise ValueError(f"{tokens.shape[0]} tokens cannot fill {n_streams} streams")

@@ -1,13 +1,15 @@
-"""The algorithmic tasks of the RMT paper (Bulatov et al. 2022), SPEC §3.6: copy, reverse,
+"""The algorithmic tasks of the RMT paper (Bulatov et al. 2022, §4 and App. A): copy, reverse,
 associative retrieval and quadratic equations, as seeded numpy token streams.
 
 Every sample is one stream `tokens[T+1]`: input = tokens[:-1], target = tokens[1:], and the
-trainer cuts the T positions into `n_segments` equal segments (memory starts fresh per sample,
-SPEC §3.3, DESIGN "episodic regime"). Masks live on the T target positions: `loss_mask` is
-where the training loss is taken (never on the source before the start-to-generate token,
-SPEC §3.6 "common rules"), `answer_mask` is what the task metric scores.
+trainer cuts the T positions into `n_segments` equal segments (memory starts fresh per
+sample: README.md "BPTT and memory", episodic data). Masks live on the T target positions:
+`loss_mask` is where the training loss is taken (never on the source before the
+start-to-generate token: the source is random, nothing there can be predicted),
+`answer_mask` is what the task metric scores.
 
-Formats, ids and the decisions the paper leaves open (tags as in the SPEC):
+Formats, ids and the decisions the paper leaves open. Tags: [C] as in the authors' code,
+[I] our interpretation where the paper and the code leave it open:
 
 copy [C]      ids: pad 0, start 1, symbols 2..9 (vocab 10). Stream [x, 1, x, x], T = 3L;
               loss = answer = the last 2L target positions.
@@ -341,9 +343,9 @@ def render(spec: TaskSpec, tokens: np.ndarray) -> str:
 
 
 def accuracy(spec: TaskSpec, predictions: np.ndarray, data: TaskData) -> float:
-    """Test metric (SPEC §3.6): per-character accuracy over `answer_mask` for copy, reverse and
-    associative retrieval; for quadratic the share of samples whose every answer position
-    (the whole padded answer field) is right. `predictions` are target ids [N, T]."""
+    """Test metric (RMT paper §4): per-character accuracy over `answer_mask` for copy,
+    reverse and associative retrieval; for quadratic the share of samples whose every answer
+    position (the whole padded answer field) is right. `predictions` are target ids [N, T]."""
     preds = np.asarray(predictions)
     if preds.shape != data.answer_mask.shape:
         raise ValueError(f"predictions have shape {preds.shape}, expected "

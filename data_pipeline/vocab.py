@@ -6,7 +6,8 @@ Four kinds, one interface (`Vocab`):
                 text8: 27) or the distinct characters occurring, ids in sorted symbol order.
 - `WordVocab`   Transformer-XL's word level: whitespace split, "<eos>" at every line end (empty
                 lines too), specials first, then words by descending train frequency (ties: first
-                occurrence) -- the adaptive-softmax cutoffs (SPEC §1.6) assume that order.
+                occurrence) -- the adaptive-softmax cutoffs assume that order (model/adaptive.py;
+                Grave et al. 2016 §3.3 cluster the vocabulary by frequency).
 - `BPEVocab`    byte-level BPE trained with the `tokenizers` library.
 
 `to_dict()` is complete (the shard manifest stores it and `vocab_from_dict` rebuilds the same

@@ -1,7 +1,7 @@
 """LaMemo: look-ahead memory (Ji et al. 2022), on the Transformer-XL backbone.
 
 Only the embedding-level memory is a FIFO cache; the memory states of every higher layer are
-recomputed each step from it (SPEC §2.5). In layer l, with Z = [m^{l-1} ∘ h^{l-1}]:
+recomputed each step from it (LaMemo Eq. 7-11). In layer l, with Z = [m^{l-1} ∘ h^{l-1}]:
 
   (a) causal branch, current rows (paper Eq. 2): C→ = softmax(S→) V,  log s→ = logsumexp S→
   (b) look-ahead branch, memory rows (Eq. 7-9): each memory row attends to the newest N

@@ -182,7 +182,8 @@ class XLMemory(MemoryState):
         return XLMemory(hids=list(self.hids), length=_reset_length(self.length, mask))
 
     def appended(self, layer_inputs: list[torch.Tensor], mem_len: int) -> XLMemory:
-        """FIFO update m_{τ+1}^l = SG([m_τ^l ∘ h_τ^l])[-M:] for every layer (SPEC §1.2)."""
+        """FIFO update m_{τ+1}^l = SG([m_τ^l ∘ h_τ^l])[-M:] for every layer (Transformer-XL
+        §3.2)."""
         n_new = layer_inputs[0].shape[1]
         old = self.hids or [None] * len(layer_inputs)
         hids = [_fifo(m, h, mem_len) for m, h in zip(old, layer_inputs, strict=True)]
@@ -192,8 +193,9 @@ class XLMemory(MemoryState):
 @_register
 @dataclass
 class LaMemoMemory(MemoryState):
-    """LaMemo state (SPEC §2.5): cached embeddings plus, per layer, the memory's context
-    vectors C_mem [B, M, H, dh] (before W_o) and log-normalisers logS_mem [B, M, H] (fp32)."""
+    """LaMemo state (LaMemo Eq. 10-11 and Appendix A; model/lamemo.py): cached embeddings
+    plus, per layer, the memory's context vectors C_mem [B, M, H, dh] (before W_o) and
+    log-normalisers logS_mem [B, M, H] (fp32)."""
 
     kind: ClassVar[str] = "lamemo"
     fp32_fields: ClassVar[tuple[str, ...]] = ("log_norm",)

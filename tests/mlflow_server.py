@@ -1,4 +1,4 @@
-"""A real `mlflow server` on loopback for tests, started the way shared/ENVIRONMENT.md does.
+"""A real `mlflow server` on loopback for tests (sqlite store, proxied artifacts, 1 worker).
 
     uri, stop = start_mlflow_server(tmp_dir)    # "http://127.0.0.1:PORT", ready to use
     ...

@@ -1,5 +1,5 @@
-"""The RMT algorithmic tasks (SPEC §3.6): layouts, the paper's quadratic example, masks,
-determinism, validation and the metric."""
+"""The RMT algorithmic tasks (RMT paper §4 and App. A; data_pipeline/tasks.py): layouts,
+the paper's quadratic example, masks, determinism, validation and the metric."""
 
 import re
 

@@ -1,4 +1,4 @@
-"""Relative Effective Context Length (Transformer-XL §4.3 and Appendix C; SPEC §1.9).
+"""Relative Effective Context Length (Transformer-XL §4.3 and Appendix C).
 
 RECL belongs to a GROUP of models. With l_i(c, t) the loss of model i on token t given a
 context of c tokens:
@@ -12,12 +12,12 @@ Starting at c = start, while g_i(c, c + step) >= threshold, c grows by step; REC
 first c where the gain falls below the threshold. If the largest context evaluated still
 gains, RECL_i is reported as at least that context ("lower bound").
 
-What the paper leaves open (SPEC §1.9 [I]) is an option here: the start length, the step
-(the paper's values are multiples of 100, which suggests 100) and how a context of c tokens
-is imposed on a recurrent model. We evaluate with mem_len = c; for Transformer-XL and
-LaMemo same_length makes every query attend to exactly c keys. Cached states may still hold
-information from further back (each layer extends the reach), which is the "effective"
-context the paper measures. RMT's memory tokens are not limited by c.
+What the paper leaves open (Appendix C does not fix it) is an option here: the start
+length, the step (the paper's values are multiples of 100, which suggests 100) and how a
+context of c tokens is imposed on a recurrent model. We evaluate with mem_len = c; for
+Transformer-XL and LaMemo same_length makes every query attend to exactly c keys. Cached
+states may still hold information from further back (each layer extends the reach), which
+is the "effective" context the paper measures. RMT's memory tokens are not limited by c.
 
 Every c scores the same tokens: the first tokens of each row, up to the largest context,
 are left out, so each scored token has a full context at every c.

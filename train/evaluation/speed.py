@@ -1,6 +1,6 @@
 """Evaluation cost: the vanilla sliding window against cached (Transformer-XL) evaluation.
 
-Transformer-XL §3.1 and Table 9 (SPEC §1.1, §1.8): the vanilla model of Al-Rfou et al. scores
+Transformer-XL §3.1, §3.2 and Table 9: the vanilla model of Al-Rfou et al. scores
 a token by running the whole window of the `context` tokens before it, with no memory, and
 keeps only the last prediction; the window then moves right by ONE token and everything is
 recomputed. Transformer-XL scores `tgt_len` tokens per forward and reuses the cached hidden
@@ -118,7 +118,7 @@ def _cached_segments(model: MemoryLM, tokens: torch.Tensor, tgt_len: int, state=
 @torch.inference_mode()
 def cached_nll(model: MemoryLM, tokens: torch.Tensor, tgt_len: int, mem_len: int, *,
                same_length: bool = False) -> torch.Tensor:
-    """Transformer-XL evaluation (§3.2, SPEC §1.8): segments of tgt_len from an empty memory,
+    """Transformer-XL evaluation (XL §3.2): segments of tgt_len from an empty memory,
     the memory (mem_len per layer) carried from segment to segment. The last segment may be
     shorter. same_length: every query sees exactly mem_len keys (the XL eval scripts).
 

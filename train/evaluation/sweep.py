@@ -1,8 +1,9 @@
 """`memtrain eval --sweep`: one checkpoint scored over a grid of evaluation memory lengths.
 
-This is LaMemo's extrapolation figure (SPEC §2.9: memory = m x segment, m = 1..10, for a
-model trained with a shorter memory) for any of the three models, and Transformer-XL's
-"evaluate with a longer memory" knob (SPEC §1.8). Relative positions make every point
+This is LaMemo's extrapolation experiment (Ji et al. 2022: memory = m x segment,
+m = 1..10, for a model trained with a shorter memory) for any of the three models, and
+Transformer-XL's "evaluate with a longer memory" knob (XL §3.2 and §4.5); measured
+examples in docs/evaluation.md. Relative positions make every point
 runnable; whether the model *uses* the extra memory is what the curve shows.
 
 Every point scores the same tokens of every row: the first `skip` tokens (at least the
