@@ -227,3 +227,13 @@ class WindowPlan:
 
     def load_state_dict(self, data: dict, device: torch.device) -> None:
         self.history.load_state_dict(data, device)
+
+
+@dataclass
+class TrainState:
+    """What a run carries from step to step besides the engine: saved in every checkpoint."""
+
+    step: int = 0                        # optimizer steps done
+    tokens_seen: int = 0                 # counted training tokens, all ranks
+    memory: MemoryState | None = None    # this rank's rows, carried between windows
+    plan: WindowPlan | None = None       # the BPTT windows and their resumable state

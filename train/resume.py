@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING
 
 import torch
 
 from model import MemoryState
 
 from . import checkpoint as ckpt
+from .bptt import TrainState
 from .distributed import barrier
-
-if TYPE_CHECKING:
-    from .trainer import TrainState
 
 
 def restore(info, engine, state: TrainState, stream, env, device) -> None:

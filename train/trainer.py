@@ -17,17 +17,17 @@ import subprocess
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from data_pipeline.shards import ShardError, load_manifest
 from data_pipeline.streams import EpisodeStream, LayoutError, TokenStream
-from model import ConfigError, MemoryState, bits_per_token, build_model
+from model import ConfigError, bits_per_token, build_model
 
 from . import checkpoint as ckpt
-from .bptt import WindowPlan, run_window
+from .bptt import TrainState, WindowPlan, run_window
 from .config import RunConfig, dump_yaml
 from .curriculum import SegmentCurriculum
 from .distributed import all_reduce_sum, barrier, device_for, init_process_group, resolve_env
@@ -40,14 +40,6 @@ from .tracking import Tracker
 
 class NonFiniteLoss(RuntimeError):
     """The loss became NaN/Inf outside fp16 loss scaling; nothing was saved after it."""
-
-
-@dataclass
-class TrainState:
-    step: int = 0                        # optimizer steps done
-    tokens_seen: int = 0                 # counted training tokens, all ranks
-    memory: MemoryState | None = None    # this rank's rows, carried between windows
-    plan: WindowPlan | None = None       # the BPTT windows and their resumable state
 
 
 class StopSignal:
