@@ -85,10 +85,8 @@ def prepare_corpus(args) -> Manifest:
 
 
 def prepare_task(args) -> Manifest:
-    import hashlib
-    import json
-
     from .tasks import DEFAULT_SPLIT_SIZES, generate, make_task, split_seed
+    from .vocab import fingerprint
 
     params = {}
     for kv in args.param:
@@ -112,11 +110,10 @@ def prepare_task(args) -> Manifest:
         print(f"{split}: {n} samples of {spec.seq_len} positions ({spec.n_segments} x "
               f"{spec.segment_len})")
     vocab = {"kind": "task", "task": spec.name, "size": spec.vocab_size, "pad_id": spec.pad_id}
-    fingerprint = hashlib.sha256(json.dumps(vocab, sort_keys=True).encode()).hexdigest()
     extra = {"task": spec.name, "params": spec.params, "seq_len": spec.seq_len,
              "n_segments": spec.n_segments, "seed": args.seed}
     manifest = Manifest(kind="episodes", source=spec.name, vocab=vocab,
-                        vocab_fingerprint=fingerprint, vocab_size=spec.vocab_size,
+                        vocab_fingerprint=fingerprint(vocab), vocab_size=spec.vocab_size,
                         dtype=str(id_dtype(spec.vocab_size)), chunk_tokens=spec.seq_len + 1,
                         splits=splits, extra=extra)
     print(f"wrote {write_manifest(out, manifest)}")

@@ -20,13 +20,14 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import webdataset as wds
+
+from .atomic import AtomicFile, atomic_write_text
 
 FORMAT = "memtrain-shards/1"
 MANIFEST = "manifest.json"
@@ -158,14 +159,14 @@ class _AtomicShardWriter:
         self.out_dir, self.split, self.per_shard = out_dir, split, chunks_per_shard
         self.shards: list[ShardInfo] = []
         self._tar = self._file = None
-        self._tmp = self._name = None
+        self._name = None
         self._count = self._tokens = self._first = 0
 
     def _open(self, first_chunk: int) -> None:
         self._name = f"{self.split}-{len(self.shards):06d}.tar"
-        self._tmp = self.out_dir / f".{self._name}.tmp"
-        self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in close_shard()
-        self._tar = wds.TarWriter(self._file, mtime=0.0)  # mtime fixed: byte-reproducible
+        # Committed in close_shard(): a shard appears under its name only whole.
+        self._file = AtomicFile(self.out_dir / self._name)
+        self._tar = wds.TarWriter(self._file.file, mtime=0.0)  # mtime fixed: byte-reproducible
         self._count, self._tokens, self._first = 0, 0, first_chunk
 
     def write(self, index: int, sample: dict, n_tokens: int) -> None:
@@ -181,11 +182,7 @@ class _AtomicShardWriter:
         if self._tar is None:
             return
         self._tar.close()
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        final = self.out_dir / self._name
-        os.replace(self._tmp, final)
+        final = self._file.commit()
         self.shards.append(ShardInfo(path=self._name, n_tokens=self._tokens,
                                      first_chunk=self._first, n_chunks=self._count,
                                      sha256=_file_sha256(final)))
@@ -245,11 +242,8 @@ def write_episode_split(out_dir: Path, split: str, tokens: np.ndarray, loss_mask
 
 
 def write_manifest(out_dir: Path, manifest: Manifest) -> Path:
-    tmp = out_dir / f".{MANIFEST}.tmp"
-    tmp.write_text(manifest.to_json())
-    final = out_dir / MANIFEST
-    os.replace(tmp, final)  # the manifest appears last, and whole
-    return final
+    # Written after every shard was renamed into place: the manifest appears last, and whole.
+    return atomic_write_text(out_dir / MANIFEST, manifest.to_json())
 
 
 # ----------------------------------------------------------------------------- reading

@@ -42,11 +42,10 @@ def write_repeat_corpus(out_dir, *, block: int = 12, filler: int = 4, n_symbols:
                         chunk_tokens: int = 1 << 16):
     """Write a repeat-block corpus as shards + manifest (train/valid/test from different
     seeds), so that a run needs no download. Returns the manifest."""
-    import hashlib
-    import json
     from pathlib import Path
 
     from .shards import Manifest, id_dtype, write_manifest, write_token_split
+    from .vocab import fingerprint
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -61,10 +60,9 @@ def write_repeat_corpus(out_dir, *, block: int = 12, filler: int = 4, n_symbols:
         splits[split] = write_token_split(out, split, [ids], dtype, chunk_tokens, 64)
     vocab = {"kind": "synthetic", "generator": "repeat_blocks", "size": n_symbols,
              "block": block, "filler": filler}
-    fingerprint = hashlib.sha256(json.dumps(vocab, sort_keys=True).encode()).hexdigest()
     manifest = Manifest(kind="tokens", source="repeat_blocks", vocab=vocab,
-                        vocab_fingerprint=fingerprint, vocab_size=n_symbols, dtype=str(dtype),
-                        chunk_tokens=chunk_tokens, splits=splits,
+                        vocab_fingerprint=fingerprint(vocab), vocab_size=n_symbols,
+                        dtype=str(dtype), chunk_tokens=chunk_tokens, splits=splits,
                         extra={"seed": seed, "period": period})
     write_manifest(out, manifest)
     manifest.location = str(out)

@@ -11,10 +11,11 @@ Four kinds, one interface (`Vocab`):
 - `BPEVocab`    byte-level BPE trained with the `tokenizers` library.
 
 `to_dict()` is complete (the shard manifest stores it and `vocab_from_dict` rebuilds the same
-vocabulary); `fingerprint()` hashes its canonical JSON. `encode_stream` tokenizes a byte stream
-given in arbitrary chunks and yields exactly what `encode` gives for the whole stream: every kind
-keeps what a chunk boundary would cut (a multi-byte character, a line, a BPE pre-token) for the
-next chunk.
+vocabulary); `fingerprint(d)` hashes a vocabulary description's canonical JSON, and
+`Vocab.fingerprint()` is that of `to_dict()`. `encode_stream` tokenizes a byte stream given in
+arbitrary chunks and yields exactly what `encode` gives for the whole stream: every kind keeps
+what a chunk boundary would cut (a multi-byte character, a line, a BPE pre-token) for the next
+chunk.
 """
 
 from __future__ import annotations
@@ -41,6 +42,19 @@ def dtype_for(size: int) -> np.dtype:
     if size <= 1 << 32:
         return np.dtype(np.uint32)
     raise ValueError(f"vocabulary of {size} ids does not fit in uint32")
+
+
+def fingerprint(vocab: dict) -> str:
+    """sha256 of the vocabulary description's canonical JSON (sorted keys, no spaces, ASCII):
+    equal for equal dicts whatever their key order. Every manifest's `vocab_fingerprint` is
+    this of its `vocab` (a `Vocab.to_dict()` or a synthetic/task description).
+
+    Manifests keep the fingerprint they were written with and nothing recomputes it when
+    loading: streams and checkpoints compare stored fingerprints. So data prepared before
+    this was the only form (synthetic and task manifests hashed `json.dumps(vocab,
+    sort_keys=True)`, with spaces) still load, and runs on them still resume."""
+    canon = json.dumps(vocab, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canon.encode("ascii")).hexdigest()
 
 
 def _as_bytes(text: str | bytes | bytearray | memoryview) -> bytes:
@@ -90,8 +104,7 @@ class Vocab:
                 yield self.encode(chunk)
 
     def fingerprint(self) -> str:
-        canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-        return hashlib.sha256(canon.encode("ascii")).hexdigest()
+        return fingerprint(self.to_dict())
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Vocab) and self.to_dict() == other.to_dict()

@@ -2,9 +2,7 @@
 re-runs, that segment checkpointing changes nothing but memory, that the stream's reset
 flags forget the memory on exactly the flagged rows, and the LR schedules."""
 
-import hashlib
 import itertools
-import json
 import math
 
 import numpy as np
@@ -19,6 +17,7 @@ from data_pipeline.shards import (
     write_token_split,
 )
 from data_pipeline.streams import SegmentBatch, TokenStream
+from data_pipeline.vocab import fingerprint
 from model import ModelConfig, build_model
 from train.bptt import SlidingHistory, episode_cuts, run_window
 from train.config import load_config
@@ -163,7 +162,7 @@ def _tiny_token_manifest(tmp_path, rows: int, steps: int):
     info = write_token_split(tmp_path, "train", [ids], id_dtype(V), 16, 2)
     write_manifest(tmp_path, Manifest(
         kind="tokens", source="test", vocab=vocab,
-        vocab_fingerprint=hashlib.sha256(json.dumps(vocab).encode()).hexdigest(),
+        vocab_fingerprint=fingerprint(vocab),
         vocab_size=V, dtype=str(id_dtype(V)), chunk_tokens=16, splits={"train": info}))
     return load_manifest(tmp_path)
 

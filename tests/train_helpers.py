@@ -3,7 +3,6 @@ launching `python -m train` as 1 process or 2 ranks (torchrun / deepspeed launch
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -16,6 +15,7 @@ import numpy as np
 import yaml
 
 from data_pipeline.shards import Manifest, id_dtype, write_manifest, write_token_split
+from data_pipeline.vocab import fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -42,7 +42,7 @@ def make_word_corpus(path: Path, n_train: int = 60_000, n_valid: int = 6_000, se
     vocab = {"kind": "synthetic", "generator": "words", "size": V}
     write_manifest(path, Manifest(
         kind="tokens", source="words", vocab=vocab,
-        vocab_fingerprint=hashlib.sha256(json.dumps(vocab).encode()).hexdigest(),
+        vocab_fingerprint=fingerprint(vocab),
         vocab_size=V, dtype=str(id_dtype(V)), chunk_tokens=8192, splits=splits))
     return path
 
