@@ -122,6 +122,8 @@ def run_row(name: str, max_steps: int | None, reuse: bool = False) -> dict:
         report = json.loads((run_dir / "eval_report.json").read_text())
         row.update(accuracy=report["main"]["accuracy"], loss=report["main"]["loss"],
                    steps=report["step"])
+        if "no_memory" in report:  # the same trained model, memory reset every segment
+            row["no_memory_accuracy"] = report["no_memory"]["accuracy"]
         row["valid_accuracy"] = [json.loads(line).get("valid_accuracy") for line in
                                  (run_dir / "metrics.jsonl").read_text().splitlines()
                                  if "valid_accuracy" in line]
@@ -156,10 +158,13 @@ def main(argv=None) -> int:
     old.update({r["name"]: r for r in rows})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(old, indent=1))
-    print("| run | model | test accuracy | steps | wall s |\n|---|---|---|---|---|")
+    print("| run | model | test accuracy | same model, memory off | steps | wall s |\n"
+          "|---|---|---|---|---|---|")
     for r in rows:
         acc = f"{r['accuracy']:.3f}" if "accuracy" in r else f"exit {r['exit']}"
-        print(f"| {r['name']} | {r['what']} | {acc} | {r.get('steps', '-')} | {r['seconds']} |")
+        off = f"{r['no_memory_accuracy']:.3f}" if "no_memory_accuracy" in r else "-"
+        print(f"| {r['name']} | {r['what']} | {acc} | {off} | {r.get('steps', '-')} | "
+              f"{r['seconds']} |")
     return 0 if all(r["exit"] == 0 for r in rows) else 1
 
 
