@@ -84,8 +84,10 @@ class LRSchedule:
 
     cosine / linear: linear warmup over warmup_steps, then decay to min_lr at max_steps
     (XL, LaMemo: cosine annealing to 0, no warmup). constant: warmup then lr. plateau:
-    constant lr multiplied by `plateau_factor` after `plateau_patience` validations without
-    improvement, never below min_lr (RMT algorithmic tasks: factor 0.5, min 1e-6).
+    constant lr multiplied by `plateau_factor` once `plateau_patience` validations in a row
+    did not improve and the next one does not either (torch's ReduceLROnPlateau counting;
+    patience 0 drops at the first), never below min_lr (RMT algorithmic tasks: factor 0.5,
+    min 1e-6).
     DeepSpeed calls step() after every optimizer step; report() is called by validation.
     """
 
