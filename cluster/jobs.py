@@ -15,9 +15,11 @@ import sys
 import time
 from pathlib import Path
 
+from train.run_dir import RunDir
+
 
 def record_job(run_dir: Path, job_id: str, script: Path, nodes: int) -> None:
-    with open(run_dir / "jobs.jsonl", "a") as f:
+    with open(RunDir(run_dir).jobs, "a") as f:
         f.write(json.dumps({"job_id": job_id, "script": str(script), "nodes": nodes,
                             "submitted": time.time()}) + "\n")
 
@@ -37,39 +39,25 @@ def _squeue(job_ids: list[str]) -> dict[str, dict]:
     return rows
 
 
-def _last_step(run_dir: Path) -> int | None:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return None
-    lines = path.read_text().splitlines()
-    return json.loads(lines[-1])["step"] if lines else None
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def list_jobs(runs_root: Path) -> list[dict]:
     records = []
-    for jobs_file in sorted(runs_root.glob("*/jobs.jsonl")):
+    for jobs_file in sorted(runs_root.glob(f"*/{RunDir.JOBS}")):
         for line in jobs_file.read_text().splitlines():
             records.append({**json.loads(line), "run_dir": jobs_file.parent})
     live = _squeue([r["job_id"] for r in records])
     rows = []
     for r in records:
         run_dir = r["run_dir"]
+        run = RunDir(run_dir)
         now = live.get(r["job_id"])
-        status = _read_json(run_dir / "status.json").get("state", "unknown")
+        status = run.read_status().get("state", "unknown")
         rows.append({
             "job_id": r["job_id"], "run": run_dir.name,
             "state": now["state"] if now else f"ended ({status})",
             "nodes": now["nodes"] if now else r["nodes"],
             "elapsed": now["elapsed"] if now else "-",
-            "last_step": _last_step(run_dir),
-            "mlflow_run_id": _read_json(run_dir / "tracking.json").get("run_id", "-"),
+            "last_step": run.last_step(),
+            "mlflow_run_id": run.read_tracking().get("run_id", "-"),
             "run_dir": str(run_dir)})
     return rows
 

@@ -21,6 +21,8 @@ import re
 import shlex
 from pathlib import Path
 
+from train.run_dir import RunDir
+
 # The options (one dataclass, also the `memtrain submit` flags) and their validation.
 from .options import ConfigError, SubmitOptions
 
@@ -52,7 +54,7 @@ def render(config_path: str | Path, overrides: list[str], run_dir: str | Path,
     sb = [f"#SBATCH --job-name={opts.job_name}", f"#SBATCH --nodes={opts.nodes}",
           f"#SBATCH --ntasks-per-node={opts.ntasks_per_node}",
           f"#SBATCH --cpus-per-task={opts.cpus_per_task}", f"#SBATCH --time={opts.time}",
-          f"#SBATCH --output={run_dir}/slurm-%j.out",
+          f"#SBATCH --output={RunDir(run_dir).slurm_log('%j')}",
           # USR1 to every job step, i.e. the ranks (no B: prefix): they checkpoint.
           f"#SBATCH --signal=USR1@{opts.signal_seconds}", "#SBATCH --requeue",
           "#SBATCH --open-mode=append"]
@@ -66,7 +68,7 @@ def render(config_path: str | Path, overrides: list[str], run_dir: str | Path,
     if opts.exclusive:
         sb.append("#SBATCH --exclusive")
     if sweep:
-        sb[5] = f"#SBATCH --output={run_dir}/slurm-%A_%a.out"
+        sb[5] = f"#SBATCH --output={RunDir(run_dir).slurm_log('%A_%a')}"
         sb.append(f"#SBATCH --array=0-{len(sweep) - 1}")
 
     overrides = list(overrides)
@@ -96,14 +98,15 @@ def render(config_path: str | Path, overrides: list[str], run_dir: str | Path,
         launch = _deepspeed_launch(opts, train_args)
         # The launcher process does not forward signals: send them to its child, the srun.
         forward = "pkill -{sig} -P $LAUNCH_PID"
+    py = q(opts.python)
     lines = ["#!/bin/bash", "# Written by `memtrain submit`; plain sbatch runs it as it is.",
              *sb, "", "set -euo pipefail",
              *[_setup_line(s) for s in opts.setup],
              "export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n1)",
-             "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+             "# The job's port from $SLURM_JOB_ID, as the ranks compute it (train/distributed.py).",
+             f"export MASTER_PORT=$({py} -m train.distributed master-port)",
              *cases,
              f"MAX_REQUEUES={opts.max_requeues}", ""]
-    py = q(opts.python)
     lines += [
         *launch[:-1], f"{launch[-1]} &",
         "LAUNCH_PID=$!",
@@ -113,8 +116,8 @@ def render(config_path: str | Path, overrides: list[str], run_dir: str | Path,
           f"{forward.format(sig=sig)} 2>/dev/null || true' {sig}" for sig in ("USR1", "TERM")],
         "while kill -0 \"$LAUNCH_PID\" 2>/dev/null; do wait \"$LAUNCH_PID\" || true; done",
         "",
-        f"STATE=$({py} -c 'import json, sys; print(json.load(open(sys.argv[1]))[\"state\"])' "
-        "\"$RUN_DIR/status.json\" 2>/dev/null || echo failed)",
+        "# finished, interrupted or failed, from the run's status.json (train/run_dir.py).",
+        f"STATE=$({py} -m train.run_dir status \"$RUN_DIR\" || echo failed)",
         "echo \"memtrain: run state $STATE after restart ${SLURM_RESTART_COUNT:-0}\"",
         "if [ \"$STATE\" = interrupted ] && "
         "[ \"${SLURM_RESTART_COUNT:-0}\" -lt \"$MAX_REQUEUES\" ]; then",
@@ -136,7 +139,7 @@ def _deepspeed_launch(opts: SubmitOptions, train_args: str) -> list[str]:
                f"--num_nodes={opts.nodes}", "--launcher_args=--kill-on-bad-exit=1"]
     if opts.gpus_per_node:
         options.append(f"--num_gpus={opts.gpus_per_node}")
-    return ["HOSTFILE=\"$RUN_DIR/hostfile-$SLURM_JOB_ID\"",
+    return [f"HOSTFILE=\"{RunDir('$RUN_DIR').hostfile('$SLURM_JOB_ID')}\"",
             "scontrol show hostnames \"$SLURM_JOB_NODELIST\" | "
             f"sed 's/$/ slots={opts.ntasks_per_node}/' > \"$HOSTFILE\"",
             f"{q(opts.python)} -m deepspeed.launcher.runner --hostfile \"$HOSTFILE\" "

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import time
 from pathlib import Path
 
 from train.config import ConfigError, load_config
+from train.run_dir import RunDir, atomic_write_json, atomic_write_text
 
 from .jobs import record_job
 from .options import add_flags, from_args
@@ -58,7 +58,7 @@ def _sweep(args, name: str, run_dir: Path) -> list[tuple[Path, list[str]]] | Non
     shared = [f"tracking.experiment={name}"]
     if not os.environ.get("MLFLOW_TRACKING_URI") and \
             not any(o.startswith("tracking.uri=") for o in args.overrides):
-        shared.append(f"tracking.uri=sqlite:///{run_dir}/mlflow.db")
+        shared.append(f"tracking.uri={RunDir(run_dir).own_store_uri}")
     elements = []
     for i, combo in enumerate(itertools.product(*axes)):
         element = [*combo, f"name={name}-{i:02d}", *shared]
@@ -84,16 +84,15 @@ def main_submit(argv: list[str] | None = None) -> int:
         print(script, end="")
         return 0
     run_dir.mkdir(parents=True, exist_ok=True)
+    run = RunDir(run_dir)
     if sweep:
-        (run_dir / "sweep.json").write_text(json.dumps(
-            [{"run_dir": str(d), "overrides": o} for d, o in sweep], indent=1))
-    path = run_dir / f"submit-{time.strftime('%Y%m%d-%H%M%S')}.sbatch"
-    path.write_text(script)
+        atomic_write_json(run.sweep, [{"run_dir": str(d), "overrides": o} for d, o in sweep])
+    path = atomic_write_text(run.submit_script(time.strftime('%Y%m%d-%H%M%S')), script)
     done = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
     if done.returncode != 0:
         print(f"memtrain submit: sbatch failed: {done.stderr.strip()}", file=sys.stderr)
         return 1
     job_id = done.stdout.strip().split(";")[0]
     record_job(run_dir, job_id, path, opts.nodes)
-    print(f"submitted job {job_id}: script {path}, log {run_dir}/slurm-{job_id}.out")
+    print(f"submitted job {job_id}: script {path}, log {run.slurm_log(job_id)}")
     return 0

@@ -5,6 +5,9 @@ import hashlib
 import itertools
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +23,9 @@ from data_pipeline.shards import (
 )
 from data_pipeline.streams import TokenStream
 from data_pipeline.vocab import ByteVocab, fingerprint
+from train.run_dir import RunDir, read_json, shared_store_uri
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _leftovers(folder):
@@ -140,3 +146,101 @@ def test_fresh_synthetic_data_gets_the_canonical_fingerprint(tmp_path):
     m = write_repeat_corpus(tmp_path, split_tokens={"train": 2000, "valid": 500,
                                                     "test": 500})
     assert load_manifest(tmp_path).vocab_fingerprint == fingerprint(m.vocab)
+
+
+# ---------------------------------------------------------------------------- RunDir
+def test_run_dir_names_every_file_and_folder_of_a_run(tmp_path):
+    run = RunDir(tmp_path / "runs" / "q")
+    names = {"config": "config.yaml", "ds_config": "ds_config.json", "status": "status.json",
+             "tracking": "tracking.json", "metrics": "metrics.jsonl",
+             "loss_curve": "loss_curve.png", "eval_report": "eval_report.json",
+             "exported": "model.safetensors", "checkpoints": "checkpoints", "eval_dir": "eval",
+             "analysis": "analysis", "jobs": "jobs.jsonl", "sweep": "sweep.json"}
+    for prop, name in names.items():
+        assert getattr(run, prop) == tmp_path / "runs" / "q" / name, prop
+    assert run.hostfile("812") == run.path / "hostfile-812"
+    assert run.slurm_log("%j") == run.path / "slurm-%j.out"
+    assert run.submit_script("20260101-120000") == run.path / "submit-20260101-120000.sbatch"
+    # The runs root's shared MLflow store, and a store of the run's own.
+    assert run.shared_store_uri == f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
+    assert run.shared_store_uri == shared_store_uri(tmp_path / "runs")
+    assert run.own_store_uri == f"sqlite:///{tmp_path / 'runs' / 'q' / 'mlflow.db'}"
+    # A string path is a Path, and the value is frozen (hashable, comparable).
+    assert RunDir(str(run.path)) == run and isinstance(RunDir(str(run.path)).path, Path)
+    with pytest.raises(AttributeError):
+        run.path = tmp_path
+
+
+def test_status_round_trip_and_what_a_missing_or_broken_status_reads_as(tmp_path):
+    run = RunDir(tmp_path)
+    assert run.read_status() == {}
+    run.write_status("interrupted", 40)
+    assert run.read_status() == {"state": "interrupted", "step": 40}
+    run.write_status("finished", 100)
+    assert run.read_status() == {"state": "finished", "step": 100}
+    assert _leftovers(tmp_path) == []
+    with pytest.raises(ValueError, match="zigzag"):
+        run.write_status("zigzag", 1)
+    assert run.read_status()["state"] == "finished"       # the refused write changed nothing
+    run.status.write_text('{"state": "fin')                # e.g. written by hand, cut short
+    assert run.read_status() == {}
+    run.status.write_text("[1, 2]")
+    assert read_json(run.status) == {}
+
+
+def test_tracking_record_and_last_logged_step(tmp_path):
+    run = RunDir(tmp_path)
+    assert run.read_tracking() == {} and run.last_step() is None
+    run.write_tracking("abc123", "sqlite:///x/mlflow.db", "memtrain")
+    assert run.read_tracking() == {"run_id": "abc123", "tracking_uri": "sqlite:///x/mlflow.db",
+                                   "experiment": "memtrain"}
+    run.metrics.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n')
+    assert run.last_step() == 2
+
+
+def _script_lines(script: str, *starts: str) -> str:
+    return "\n".join(line for line in script.splitlines() if line.startswith(starts))
+
+
+@pytest.mark.parametrize("launcher", ["srun", "deepspeed"])
+def test_the_sbatch_script_reads_the_status_and_the_port_through_the_python_entries(
+        tmp_path, launcher):
+    """The status read and master port lines of a rendered script, run by bash as the job
+    would: the state of status.json ("failed" without one), and the port train/distributed.py
+    computes for a rank that was given none."""
+    from cluster.sbatch import SubmitOptions, render
+    from train.distributed import resolve_env
+
+    run = RunDir(tmp_path / "r")
+    script = render("configs/quickstart.yaml", [], run.path,
+                    SubmitOptions(gpus_per_node=0, python=sys.executable, launcher=launcher))
+    lines = _script_lines(script, "export MASTER_PORT=", "RUN_DIR=", "STATE=",
+                          "HOSTFILE=") + '\necho "$MASTER_PORT $STATE ${HOSTFILE:-}"'
+    env = {**os.environ, "SLURM_JOB_ID": "123456", "PYTHONPATH": str(ROOT)}
+
+    def job():
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", lines], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    port = resolve_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1",
+                        "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "123456"}).master_port
+    hostfile = [str(run.hostfile("123456"))] if launcher == "deepspeed" else []
+    assert job() == [str(port), "failed", *hostfile]
+    run.path.mkdir()
+    run.write_status("interrupted", 5)
+    assert job() == [str(port), "interrupted", *hostfile]
+    run.write_status("finished", 9)
+    assert job()[1] == "finished"
+
+
+def test_run_dir_status_command(tmp_path):
+    def status(*args):
+        return subprocess.run([sys.executable, "-m", "train.run_dir", *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+
+    assert status("status", str(tmp_path)).stdout == "failed\n"
+    RunDir(tmp_path).write_status("interrupted", 3)
+    assert status("status", str(tmp_path)).stdout == "interrupted\n"
+    assert status().returncode == 2 and "usage" in status().stderr

@@ -1,6 +1,6 @@
 """Checkpoints that carry the memory, the stream position and the RNG, and count only whole.
 
-Layout under `<run_dir>/checkpoints/`:
+Layout under `<run_dir>/checkpoints/` (RunDir.checkpoints):
 
     step00001200/                     one complete checkpoint
         mp_rank_00_model_states.pt    DeepSpeed (ZeRO state is partitioned: every rank writes)
@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from .distributed import barrier
+from .run_dir import AtomicFile, atomic_write_json, atomic_write_text
 
 MARKER = "COMPLETE"
 LATEST = "latest"
@@ -49,20 +50,15 @@ class CheckpointInfo:
     meta: dict
 
     def rank_file(self, rank: int) -> Path:
-        return self.path / f"memtrain_rank{rank:05d}.pt"
+        return self.path / rank_file_name(rank)
+
+
+def rank_file_name(rank: int) -> str:
+    return f"memtrain_rank{rank:05d}.pt"
 
 
 def _tag(step: int) -> str:
     return f"step{step:08d}"
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def rng_state() -> dict:
@@ -93,18 +89,17 @@ def save(engine, root: Path, step: int, rank: int, rank_payload: dict, meta: dic
     engine.save_checkpoint(str(root), tag=tmp_tag, client_state={**UNIVERSAL_INFO},
                            save_latest=False)
     payload = {**rank_payload, "rng": rng_state()}
-    tmp_rank = tmp / f".memtrain_rank{rank:05d}.pt.part"
-    torch.save(payload, tmp_rank)
-    os.replace(tmp_rank, tmp / f"memtrain_rank{rank:05d}.pt")
+    with AtomicFile(tmp / rank_file_name(rank)) as f:
+        torch.save(payload, f)
     _fault_point("after_rank_files", step)
     barrier()
     final = root / tag
     if rank == 0:
-        _atomic_write(tmp / MARKER, json.dumps({**meta, "step": step}, indent=1).encode())
+        atomic_write_json(tmp / MARKER, {**meta, "step": step})
         if final.exists():         # the same step saved again (e.g. signal at the end)
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _atomic_write(root / LATEST, tag.encode())
+        atomic_write_text(root / LATEST, tag)
         _prune(root, keep_last)
     barrier()
     return final
@@ -176,7 +171,7 @@ def to_universal(info: CheckpointInfo) -> str:
         if done.returncode != 0:
             raise RuntimeError(f"converting {info.path} to a universal checkpoint failed:\n"
                                f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-        (out / MARKER).write_text(json.dumps(info.meta))
+        atomic_write_json(out / MARKER, info.meta)
     return out.name
 
 

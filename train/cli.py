@@ -19,6 +19,7 @@ from memtrain.cli import CommandParser, error_line
 from model import ConfigError
 
 from .config import load_config
+from .run_dir import RunDir
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -63,7 +64,8 @@ def main_train(argv: list[str] | None = None) -> int:
 
 
 def _run_config(run_dir: str, overrides: list[str]):
-    path = Path(run_dir) / "config.yaml"
+    """The config a run directory was trained with (its config.yaml), with `overrides`."""
+    path = RunDir(run_dir).config
     if not path.is_file():
         raise ConfigError("--run-dir", f"{path} not found: not a memtrain run directory")
     return load_config(path, [*overrides, f"run_dir={run_dir}"])
@@ -132,11 +134,10 @@ def main_export(argv: list[str] | None = None) -> int:
     from .evaluation.cli import pick_checkpoint
     from .export import export_checkpoint
     info = pick_checkpoint(cfg, args.checkpoint) if args.checkpoint else \
-        find_latest(cfg.resolved_run_dir / "checkpoints")
+        find_latest(RunDir(cfg.resolved_run_dir).checkpoints)
     if info is None:
         print(f"memtrain export: no complete checkpoint in {args.run_dir}", file=sys.stderr)
         return 1
-    out = export_checkpoint(info, Path(args.out or Path(args.run_dir) / "model.safetensors"),
-                            cfg.model)
+    out = export_checkpoint(info, Path(args.out or RunDir(args.run_dir).exported), cfg.model)
     print(json.dumps({"exported": str(out), "step": info.step}))
     return 0

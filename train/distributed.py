@@ -6,6 +6,11 @@ SLURM_JOB_NODELIST), so we translate them; the master is the first host of the n
 (`scontrol show hostnames`). A plain `memtrain train` is a world of one on a free local port.
 Everything ends up in the standard variables, which is what `deepspeed.init_distributed`
 (env://) reads; without them it would try MPI discovery.
+
+`python -m train.distributed master-port` prints the port of the SLURM job in
+$SLURM_JOB_ID: the sbatch script exports it, so the script (the deepspeed launcher's
+--master_port) and ranks started by a bare srun use the one formula, `slurm_master_port`.
+torch is imported where it is used, so that command starts in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -13,10 +18,13 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,12 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def slurm_master_port(job_id: int) -> int:
+    """The rendezvous port of a SLURM job: every task computes the same one from the job id,
+    with no communication, and jobs sharing a node get different ones."""
+    return 20000 + int(job_id) % 20000
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -71,8 +85,7 @@ def resolve_env(environ: dict | None = None) -> DistEnv:
         local = int(env.get("SLURM_LOCALID", 0))
         addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST",
                                                                   "127.0.0.1"))
-        # Every task computes the same port from the job id: no communication needed.
-        port = int(env.get("MASTER_PORT", 20000 + int(env.get("SLURM_JOB_ID", 0)) % 20000))
+        port = int(env.get("MASTER_PORT") or slurm_master_port(env.get("SLURM_JOB_ID", 0)))
     else:
         launcher, rank, world, local = "single", 0, 1, 0
         addr, port = "127.0.0.1", int(env.get("MASTER_PORT", 0)) or _free_port()
@@ -84,6 +97,8 @@ def resolve_env(environ: dict | None = None) -> DistEnv:
 
 
 def device_for(local_rank: int) -> torch.device:
+    import torch
+
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
@@ -98,6 +113,7 @@ def init_process_group(env: DistEnv) -> None:
     if prebuilt.is_dir():
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(prebuilt))
     import deepspeed
+    import torch
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
@@ -105,6 +121,8 @@ def init_process_group(env: DistEnv) -> None:
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    import torch
+
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.all_reduce(t)
@@ -112,5 +130,22 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 
 
 def barrier() -> None:
+    import torch
+
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         torch.distributed.barrier()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    job = os.environ.get("SLURM_JOB_ID")
+    if args != ["master-port"] or not job:
+        print("usage: SLURM_JOB_ID=<id> python -m train.distributed master-port",
+              file=sys.stderr)
+        return 2
+    print(slurm_master_port(int(job)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

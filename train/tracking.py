@@ -35,6 +35,8 @@ import urllib.request
 import warnings
 from pathlib import Path
 
+from .run_dir import RunDir, artifact_location, atomic_write_json
+
 log = logging.getLogger(__name__)
 
 # MLflow's limits (mlflow.utils.validation), copied so that disabled trackers import nothing.
@@ -136,16 +138,13 @@ def _param_key(key: str) -> str:
 
 def shared_store_uri(run_dir: str | Path) -> str:
     """The default store: one sqlite file for all runs of the runs root (run_dir's parent)."""
-    return f"sqlite:///{Path(run_dir).absolute().parent}/mlflow.db"
+    return RunDir(Path(run_dir).absolute()).shared_store_uri
 
 
 def recorded_store(run_dir: str | Path) -> str | None:
     """The sqlite store run_dir/tracking.json names, if that store exists (a run made with a
     per-run store, or by an older version that made one by default), else None."""
-    try:
-        uri = json.loads((Path(run_dir) / "tracking.json").read_text())["tracking_uri"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    uri = RunDir(run_dir).read_tracking().get("tracking_uri")
     if isinstance(uri, str) and uri.startswith("sqlite:///") and \
             Path(uri[len("sqlite:///"):]).is_file():
         return uri
@@ -161,6 +160,7 @@ class Tracker:
                  tags: dict | None = None, use_mlflow: bool = True):
         self.enabled = enabled
         self.run_dir = Path(run_dir).absolute()
+        self.run = RunDir(self.run_dir)
         self.experiment = experiment
         self.run_id: str | None = None
         self.tracking_uri = ""
@@ -170,7 +170,7 @@ class Tracker:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.metrics_path = self.run.metrics
         if not use_mlflow:  # tracking.enabled: false -> metrics.jsonl and the plot only
             return
         self.tracking_uri = (tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
@@ -208,10 +208,9 @@ class Tracker:
 
     def _resumable_run(self, client):
         """The run recorded in tracking.json, if it is on this URI and still alive."""
-        try:
-            state = json.loads((self.run_dir / "tracking.json").read_text())
-            old_id, old_uri = state["run_id"], state["tracking_uri"]
-        except (OSError, ValueError, KeyError, TypeError):
+        state = self.run.read_tracking()
+        old_id, old_uri = state.get("run_id"), state.get("tracking_uri")
+        if not old_id or not old_uri:
             return None
         if old_uri != self.tracking_uri:
             _warn(f"tracking URI changed from {old_uri} to {self.tracking_uri}: "
@@ -239,10 +238,7 @@ class Tracker:
             # A sqlite store keeps artifacts beside its db file (for the shared store:
             # runs/mlartifacts), not in ./mlruns of whatever directory the job happened to
             # start in, which is MLflow's default. A server chooses its own location.
-            where = None
-            if self.tracking_uri.startswith("sqlite:///"):
-                db = Path(self.tracking_uri[len("sqlite:///"):]).absolute()
-                where = str(db.parent / "mlartifacts")
+            where = artifact_location(self.tracking_uri)
             try:
                 return client.create_experiment(self.experiment, artifact_location=where)
             except Exception:
@@ -275,11 +271,7 @@ class Tracker:
             self.set_tags({f"memtrain.resumed_param.{k}": v for k, v in changed.items()})
 
     def _write_state(self) -> None:
-        state = {"run_id": self.run_id, "tracking_uri": self.tracking_uri,
-                 "experiment": self.experiment}
-        tmp = self.run_dir / "tracking.json.tmp"
-        tmp.write_text(json.dumps(state, indent=2) + "\n")
-        tmp.replace(self.run_dir / "tracking.json")  # atomic: never a half-written file
+        self.run.write_tracking(self.run_id, self.tracking_uri, self.experiment)
 
     # ------------------------------------------------------------------ failure handling
     def _fail(self, err: BaseException) -> None:
@@ -289,7 +281,7 @@ class Tracker:
         self._client = None
         msg = " ".join(str(err).split())[:500]  # one line; a server may send a whole page
         _warn(f"MLflow tracking at {self.tracking_uri} failed ({type(err).__name__}: {msg}); "
-              f"continuing local-only, metrics go to {self.run_dir}/metrics.jsonl")
+              f"continuing local-only, metrics go to {self.metrics_path}")
 
     def _mlflow(self, method: str, *args, **kwargs) -> None:
         """self._client.<method>(...) unless local-only; any error makes it local-only."""
@@ -350,7 +342,7 @@ class Tracker:
             return path
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+            atomic_write_json(path, data, indent=2, default=str)
         except OSError as err:
             log.warning("cannot write %s: %s", path, err)
             return path
@@ -375,7 +367,7 @@ class Tracker:
             log.warning("unknown run status %r; recording FAILED", status)
             status = "FAILED"
         try:
-            png = plot_loss_curve(self.metrics_path, self.run_dir / "loss_curve.png")
+            png = plot_loss_curve(self.metrics_path, self.run.loss_curve)
         except Exception as err:  # a plotting bug must not fail the run's end
             log.warning("loss curve not plotted: %s", err)
             png = None

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..run_dir import artifact_location, shared_store_uri
 from .runs import KIND_TAG, SelectionError, open_store, select
 
 LOG_EXPERIMENT = "memtrain-compare"
@@ -53,10 +54,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _shared_store(runs_root: Path) -> str:
-    return f"sqlite:///{runs_root.absolute()}/mlflow.db"
-
-
 def _selection_text(args) -> str:
     parts = []
     if args.experiment:
@@ -75,8 +72,8 @@ def main_compare(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # The default is the store training writes to when no URI is set (train/tracking.py).
     root = Path(args.runs_root or RUNS_ROOT)
-    uri = args.tracking_uri or (args.runs_root and _shared_store(root)) or \
-        os.environ.get("MLFLOW_TRACKING_URI") or _shared_store(root)
+    uri = args.tracking_uri or (args.runs_root and shared_store_uri(root)) or \
+        os.environ.get("MLFLOW_TRACKING_URI") or shared_store_uri(root)
     if args.max_runs < 1:
         print("memtrain compare: --max-runs must be at least 1", file=sys.stderr)
         return 2
@@ -146,13 +143,8 @@ def log_comparison(client, uri: str, experiment: str, files, run_ids: list[str],
 def _experiment_id(client, uri: str, name: str) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is None:
-        # As train/tracking.py: a sqlite store keeps artifacts beside its db file, not in
-        # ./mlruns of whatever directory the command ran in (MLflow's default).
-        where = None
-        if uri.startswith("sqlite:///"):
-            db = Path(uri[len("sqlite:///"):]).absolute()
-            where = str(db.parent / "mlartifacts")
-        return client.create_experiment(name, artifact_location=where)
+        # As train/tracking.py: a sqlite store keeps artifacts beside its db file.
+        return client.create_experiment(name, artifact_location=artifact_location(uri))
     if exp.lifecycle_stage == "deleted":
         client.restore_experiment(exp.experiment_id)
     return exp.experiment_id

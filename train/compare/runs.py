@@ -26,6 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..run_dir import RunDir
+
 MODEL_TYPE = "memory-augmented-lm"      # tag of every training run (train/trainer.py)
 KIND_TAG = "memtrain.kind"              # "comparison" on the runs `memtrain compare` logs
 # Metrics read as whole histories (plus valid_<reported metric>); of the others only the
@@ -292,17 +294,18 @@ def _by_step(history) -> list[tuple[int, float]]:
 
 
 def _eval_report(client, run_id: str, scratch: Path, problems: list[str]) -> dict | None:
+    name = RunDir.EVAL_REPORT  # logged by the training run under the same name as its file
     try:
-        if "eval_report.json" not in {a.path for a in client.list_artifacts(run_id)}:
-            problems.append("no eval_report.json artifact")
+        if name not in {a.path for a in client.list_artifacts(run_id)}:
+            problems.append(f"no {name} artifact")
             return None
-        local = client.download_artifacts(run_id, "eval_report.json", str(scratch / run_id))
+        local = client.download_artifacts(run_id, name, str(scratch / run_id))
         report = json.loads(Path(local).read_text())
     except Exception as err:
-        problems.append(f"eval_report.json unreadable: {_line(err)}")
+        problems.append(f"{name} unreadable: {_line(err)}")
         return None
     if not isinstance(report, dict):
-        problems.append("eval_report.json is not a JSON object")
+        problems.append(f"{name} is not a JSON object")
         return None
     return report
 

@@ -21,7 +21,9 @@ import torch
 
 from model import ConfigError
 
+from ..cli import _run_config
 from ..config import RunConfig, load_config
+from ..run_dir import RunDir
 
 PROG = "memtrain analyze"
 
@@ -65,9 +67,10 @@ def analyze_run(cfg: RunConfig, checkpoint: str | None = None, split: str | None
     manifest = load_manifest(cfg.data.path)
     manifest.split(split)  # names the splits the manifest has
     info = pick_checkpoint(cfg, checkpoint)
+    run = RunDir(cfg.resolved_run_dir)
     if info is None:
-        raise FileNotFoundError(f"no complete checkpoint in {cfg.resolved_run_dir / 'checkpoints'}"
-                                f" (train the run first: memtrain train --config ...)")
+        raise FileNotFoundError(f"no complete checkpoint in {run.checkpoints} (train the run "
+                                "first: memtrain train --config ...)")
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model = load_weights(info, cfg.model).to(device).eval()
@@ -105,7 +108,7 @@ def analyze_run(cfg: RunConfig, checkpoint: str | None = None, split: str | None
             "rows": rows, "warmup_segments": warm, "mem_len": proto.mem_len,
             "tgt_len": proto.tgt_len, "clamp_len": proto.clamp_len,
             "same_length": proto.same_length}
-    out_dir = cfg.resolved_run_dir / "analysis"
+    out_dir = run.analysis
     # The lengths are in the name: analyses under other eval.* lengths do not overwrite.
     stem = f"{info.tag}_{split}_m{proto.mem_len}_l{proto.tgt_len}"
     files = analysis.write(out_dir, stem, meta)
@@ -140,10 +143,7 @@ def main_analyze(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         if args.run_dir:
-            path = Path(args.run_dir) / "config.yaml"
-            if not path.is_file():
-                raise ConfigError("--run-dir", f"{path} not found: not a memtrain run directory")
-            cfg = load_config(path, [*args.overrides, f"run_dir={args.run_dir}"])
+            cfg = _run_config(args.run_dir, args.overrides)
         else:
             cfg = load_config(args.config, args.overrides)
     except ConfigError as err:

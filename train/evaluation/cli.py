@@ -7,7 +7,6 @@ all-reduced. The report goes to `<run_dir>/eval/` and into the run's MLflow run.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 
@@ -17,11 +16,12 @@ from ..checkpoint import CheckpointInfo, _read, find_latest
 from ..config import RunConfig
 from ..distributed import device_for, resolve_env
 from ..export import load_weights
+from ..run_dir import FINISHED, INTERRUPTED, RunDir, atomic_write_json
 from .evaluate import evaluate, headline, protocol_for
 
 
 def pick_checkpoint(cfg: RunConfig, name: str | None) -> CheckpointInfo | None:
-    root = cfg.resolved_run_dir / "checkpoints"
+    root = RunDir(cfg.resolved_run_dir).checkpoints
     if name is None:
         return find_latest(root)
     info = _read(root / name)
@@ -49,11 +49,8 @@ def log_to_run(cfg: RunConfig, step: int, metrics: dict[str, float] | None = Non
         tracker.log_metrics({key: value}, at, local=False)
     for path, artifact_dir in artifacts:
         tracker.log_artifact(path, artifact_dir)
-    try:
-        run_state = json.loads((cfg.resolved_run_dir / "status.json").read_text())
-    except (OSError, ValueError):
-        run_state = {}
-    tracker.close({"finished": "FINISHED", "interrupted": "KILLED"}.get(
+    run_state = RunDir(cfg.resolved_run_dir).read_status()
+    tracker.close({FINISHED: "FINISHED", INTERRUPTED: "KILLED"}.get(
         run_state.get("state"), "FAILED" if run_state else "FINISHED"))
 
 
@@ -91,10 +88,10 @@ def _single(cfg, model, manifest, info, env, device, track) -> dict:
     report.update(checkpoint=info.path.name, step=info.step)
     if env.is_main:
         print(headline(report), flush=True)
-        out_dir = cfg.resolved_run_dir / "eval"
+        out_dir = RunDir(cfg.resolved_run_dir).eval_dir
         out_dir.mkdir(exist_ok=True)
         name = f"eval_{info.tag}_{proto.split}_{time.strftime('%Y%m%d-%H%M%S')}.json"
-        (out_dir / name).write_text(json.dumps(report, indent=1))
+        atomic_write_json(out_dir / name, report)
         if track and cfg.tracking.enabled:
             tag = f"eval_{proto.split}_m{proto.mem_len}_l{proto.tgt_len}"
             log_to_run(cfg, info.step, {f"{tag}_loss": report["loss"]},

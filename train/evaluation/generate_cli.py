@@ -51,8 +51,10 @@ def load_for_generation(path: Path, data: str | None):
     from data_pipeline.shards import load_manifest
     from data_pipeline.vocab import vocab_from_dict
 
+    from ..checkpoint import MARKER
     from ..cli import _run_config
     from ..export import load_weights
+    from ..run_dir import RunDir
     from .cli import pick_checkpoint
 
     if path.suffix == ".safetensors":
@@ -60,7 +62,7 @@ def load_for_generation(path: Path, data: str | None):
         model, data_path = load_model(path), data
     else:
         run_dir, name = path, None
-        if (path / "COMPLETE").is_file() and path.parent.name == "checkpoints":
+        if (path / MARKER).is_file() and path.parent.name == RunDir.CHECKPOINTS:
             run_dir, name = path.parent.parent, path.name
         cfg = _run_config(str(run_dir), [])
         info = pick_checkpoint(cfg, name)

@@ -17,7 +17,6 @@ runs this on a checkpoint. Layers are numbered from 1 in plots and JSON, as in t
 
 from __future__ import annotations
 
-import json
 import math
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +27,8 @@ import torch
 from model.attention import AttentionRecord, AttnLayout
 from model.lamemo import LaMemo
 from model.rmt import RMT
+
+from ..run_dir import atomic_write_json
 
 MAX_PANELS = 8  # layers drawn per figure, evenly spaced (LaMemo Fig. 6 shows 8 of 16)
 
@@ -290,8 +291,7 @@ def _finite(value):
 def _save(fig, data: dict, png: Path) -> list[Path]:
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=100, bbox_inches="tight")
-    data_path = png.with_suffix(".json")
-    data_path.write_text(json.dumps(_finite(data), indent=1, allow_nan=False) + "\n")
+    data_path = atomic_write_json(png.with_suffix(".json"), _finite(data), allow_nan=False)
     return [png, data_path]
 
 

@@ -68,6 +68,7 @@ def main_recl(argv: list[str] | None = None) -> int:
 def _run(args) -> int:
     from data_pipeline.shards import load_manifest
     from data_pipeline.streams import TokenStream
+    from data_pipeline.vocab import fingerprint
 
     from ..cli import _run_config
     from ..export import load_weights
@@ -83,7 +84,9 @@ def _run(args) -> int:
         runs.append((cfg, info, load_manifest(cfg.data.path)))
     first_cfg, _, manifest = runs[0]
     for cfg, _, m in runs[1:]:
-        if m.vocab_fingerprint != manifest.vocab_fingerprint:
+        # Recomputed, not the stored fingerprints: data prepared before and after the
+        # fingerprint had one canonical form still compare equal.
+        if fingerprint(m.vocab) != fingerprint(manifest.vocab):
             raise ValueError(f"{cfg.resolved_run_dir} was trained on other data ("
                              f"{m.location}) than {first_cfg.resolved_run_dir} ("
                              f"{manifest.location}): RECL compares models on the same tokens")

@@ -17,7 +17,6 @@ more than the model or the data can give, the point still runs and carries a not
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import asdict, replace
@@ -28,6 +27,7 @@ import torch
 from model import ConfigError
 
 from ..config import RunConfig
+from ..run_dir import RunDir, atomic_write_json
 from .evaluate import EvalProtocol, evaluate, protocol_for
 
 DEFAULT_MULTIPLES = tuple(range(1, 11))
@@ -165,11 +165,10 @@ def plot_sweep(sweep: dict, out_png: Path) -> Path:
 
 def save_and_log(cfg: RunConfig, sweep: dict, step: int, tag: str, track: bool) -> Path:
     """JSON + plot into <run_dir>/eval/; curves into the run's MLflow run, x = mem_len."""
-    out_dir = cfg.resolved_run_dir / "eval"
+    out_dir = RunDir(cfg.resolved_run_dir).eval_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"sweep_{tag}_{sweep['split']}_{time.strftime('%Y%m%d-%H%M%S')}"
-    path = out_dir / f"{stem}.json"
-    path.write_text(json.dumps(sweep, indent=1))
+    path = atomic_write_json(out_dir / f"{stem}.json", sweep)
     png = plot_sweep(sweep, out_dir / f"{stem}.png")
     if track and cfg.tracking.enabled:
         from .cli import log_to_run
