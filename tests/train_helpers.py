@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -127,3 +128,27 @@ def torchrun_exit_codes(stderr: str) -> tuple[int, dict[int, int]]:
     if len(root) != 2 or not entry.search(root[1]):
         raise AssertionError(f"no torchrun failure report in:\n{stderr[-3000:]}")
     return int(entry.search(root[1]).group(2)), codes
+
+
+# The runs of conftest.zero_run: 10 steps on 2 ranks, dropout 0.1 (the tiny default).
+ZERO_RUN_SECTIONS = {
+    "xl": dict(max_steps=10, eval={"max_segments": 4}),
+    "lamemo": dict(max_steps=10, model={"mechanism": "lamemo"}, eval={"max_segments": 4}),
+    # RMT with an XL cache, BPTT through 2 segments, segment checkpointing.
+    "rmt": dict(max_steps=10, model={"mechanism": "rmt", "mem_len": 4,
+                                     "rmt": {"num_mem_tokens": 3}},
+                bptt={"depth": 1, "checkpoint_segments": True}, eval={"max_segments": 4}),
+}
+
+
+def copy_run(run_dir: Path, tmp: Path, name: str) -> Path:
+    """A copy of a finished run under `tmp` as run `name` and its config (run_dir and name
+    rewritten), to continue it without touching the original; returns the config's path."""
+    new_dir = tmp / "runs" / name
+    shutil.copytree(run_dir, new_dir)
+    (new_dir / "tracking.json").unlink(missing_ok=True)  # its own MLflow run, in tmp's store
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    cfg.update(name=name, run_dir=str(new_dir))
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
