@@ -183,8 +183,18 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_losses(
 def test_memtrain_jobs_lists_ended_and_queued_jobs_with_their_runs(slurm, uninterrupted,
                                                                    tmp_path):
     run_dir, job = uninterrupted
-    held = _submit(slurm, _config(tmp_path, "held"))
-    subprocess.run(["scontrol", "hold", held], env=slurm, check=True, capture_output=True)
+    # The partition is down while the job is submitted and held: on an idle node SLURM may
+    # start a job before a later `scontrol hold` arrives (seen under load, ~1 s apart).
+    def partition(state):
+        subprocess.run(["scontrol", "update", "PartitionName=debug", f"State={state}"],
+                       env=slurm, check=True, capture_output=True)
+
+    partition("DOWN")
+    try:
+        held = _submit(slurm, _config(tmp_path, "held"))
+        subprocess.run(["scontrol", "hold", held], env=slurm, check=True, capture_output=True)
+    finally:
+        partition("UP")
     try:
         rows = {}
         for root in (run_dir.parent, tmp_path / "runs"):
