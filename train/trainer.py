@@ -10,8 +10,6 @@ checkpoint and leave.
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import subprocess
 import sys
@@ -35,6 +33,7 @@ from .engine import build_ds_config, initialize, zero_stage
 from .evaluation.evaluate import evaluate, headline, protocol_for
 from .progress import Progress, peak_memory_mb
 from .resume import restore
+from .run_dir import RunDir, atomic_write_json, atomic_write_text
 from .tracking import Tracker
 
 
@@ -107,12 +106,6 @@ def _stream(cfg: RunConfig, manifest, rank: int, world: int):
                        prefetch=d.prefetch, url_template=d.url_template or None)
 
 
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)
-
-
 def train(cfg: RunConfig, resume: bool | str = True) -> int:
     """Run (or continue) the training run `cfg` on this rank. resume: True = continue the
     latest checkpoint if any, False = refuse a run directory with checkpoints, "require" =
@@ -123,8 +116,8 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     init_process_group(env)
     device = device_for(env.local_rank)
     check_run(cfg, env.world_size, device)
-    run_dir = cfg.resolved_run_dir
-    ckpt_root = run_dir / "checkpoints"
+    run = RunDir(cfg.resolved_run_dir)
+    run_dir, ckpt_root = run.path, run.checkpoints
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     barrier()
@@ -144,8 +137,8 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
                           f"ZeRO-{info.zero_stage}; resume at the same stage (changing it "
                           "through DeepSpeed's universal checkpoint fails)")
     if env.is_main:
-        (run_dir / "config.yaml").write_text(dump_yaml(cfg))
-        _write_json(run_dir / "ds_config.json", ds_config)
+        atomic_write_text(run.config, dump_yaml(cfg))
+        atomic_write_json(run.ds_config, ds_config, default=str)
         # The resolved config is worth reading at every start; the DeepSpeed JSON is
         # derived from it, so it is only saved.
         print(f"memtrain: {env.world_size} rank(s) via {env.launcher}, run dir {run_dir}\n"
@@ -181,11 +174,11 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     except BaseException:
         tracker.close("FAILED")
         if env.is_main:
-            _write_json(run_dir / "status.json", {"state": "failed", "step": state.step})
+            run.write_status("failed", state.step)
         raise
     tracker.close("FINISHED" if status == "finished" else "KILLED")
     if env.is_main:
-        _write_json(run_dir / "status.json", {"state": status, "step": state.step})
+        run.write_status(status, state.step)
     barrier()
     # Leave the process group explicitly: tearing gloo down at interpreter exit can abort a
     # rank ("terminate called without an active exception") after a successful run.
