@@ -4,7 +4,7 @@
     for ids in corpus.iter_tokens("train"):      # numpy pieces, concatenating to the split
         ...
 
-Splits (SPEC §2.9 and Transformer-XL's data scripts [C]):
+Splits (LaMemo §4.1 and Transformer-XL's data scripts, the authors' code):
 - enwik8, text8: one 100 MB file; the last 2 x 5,000,000 bytes are valid then test, the rest
   train (90M/5M/5M). `heldout_bytes` overrides 5,000,000 (tiny test files).
 - wt103, wt2: wiki.{train,valid,test}.tokens (flat in data_dir or in the zip's wikitext-103/ or
