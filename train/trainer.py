@@ -195,6 +195,7 @@ class _Loop:
         self.curriculum = curriculum
         self.signals = StopSignal()
         self.fp16 = cfg.deepspeed.precision == "fp16"
+        self.grad_norm: float | None = None  # ZeRO-0 only: DeepSpeed keeps no norm there
 
     # ------------------------------------------------------------------ one micro-step
     def _micro_step(self, batches) -> tuple[float, float, bool, int]:
@@ -218,6 +219,11 @@ class _Loop:
             warnings.warn(f"non-finite loss at step {self.state.step + 1}: fp16 loss scaling "
                           "skips this step", stacklevel=2)
         self.engine.backward(res.loss)
+        if self.stage == 0 and self.engine.is_gradient_accumulation_boundary():
+            # Without ZeRO, DeepSpeed clips fp32 gradients itself and returns no norm; the
+            # gradients are already all-reduced here, so every rank computes the same one.
+            grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+            self.grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else None
         self.engine.step()
         self.state.memory = self.state.plan.after_step(window, res)
         return nll, n, bool(stop), int(new)
@@ -315,7 +321,7 @@ class _Loop:
                            "tokens_per_s": (st.tokens_seen - tokens_at_log) / (now - last_log),
                            "peak_mem_mb": peak_memory_mb(self.device)}
                 metrics.update(self.curriculum.metrics())
-                norm = self.engine.get_global_grad_norm()
+                norm = self.engine.get_global_grad_norm() if self.stage else self.grad_norm
                 if norm is not None:
                     metrics["grad_norm"] = float(norm)
                 self.tracker.log_metrics(metrics, st.step)
