@@ -46,6 +46,15 @@ class RMTOptions:
     # Auxiliary loss of §3.4 (Tr-XL + RMT): each write output predicts `mem_loss_token`.
     mem_loss_weight: float = 0.0
     mem_loss_token: int = 0
+    # Pre-LN only (post-LN outputs are already normalised): a LayerNorm on the write outputs
+    # before they become the next memory, or the memory's norm grows with every segment of
+    # a stream. "unit": gain 1 (the streams, quickstart and smoke were measured with it);
+    # "embedding": gain init_std * sqrt(d_model), the scale of the initial memory and the
+    # embeddings (the task configs); "off": none (fine for a few segments per sample).
+    memory_norm: str = "unit"
+
+
+MEMORY_NORMS = ("unit", "embedding", "off")
 
 
 @dataclass
@@ -176,6 +185,9 @@ class ModelConfig:
 
     def _validate_rmt(self) -> None:
         o = self.rmt
+        if o.memory_norm not in MEMORY_NORMS:
+            raise ConfigError("model.rmt.memory_norm", f"unknown {o.memory_norm!r}; choose "
+                              f"{', '.join(MEMORY_NORMS)}")
         if o.num_mem_tokens <= 0:
             raise ConfigError("model.rmt.num_mem_tokens", f"must be > 0, got "
                               f"{o.num_mem_tokens} (use mechanism 'xl' for no memory tokens)")

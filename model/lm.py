@@ -66,7 +66,7 @@ class MemoryLM(nn.Module):
     def _init_backbone(self) -> None:
         """XL code init: N(0, init_std) weights, zero biases, LayerNorm gain N(1, init_std)."""
         for name, p in self.core.named_parameters():
-            if "memory_init" in name or "memory_layer_norm" in name:  # set by the RMT
+            if "memory_init" in name or "memory_layer_norm" in name:  # the RMT sets them
                 continue
             if "layer_norm" in name:
                 if name.endswith("weight"):

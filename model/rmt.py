@@ -65,17 +65,15 @@ class RMT(RelativeBackbone):
         std = cfg.init_std * cfg.d_model ** 0.5
         self.memory_init = Learned(torch.randn(cfg.rmt.num_mem_tokens, cfg.d_model) * std)
         # Pre-LN leaves the residual stream unnormalised, and the write outputs become the
-        # next segment's layer-0 inputs, so without this the memory's norm grows with every
+        # next segment's layer-0 inputs, so without a norm the memory grows with every
         # segment it passes (measured at init: x44 over 200 segments of a stream) until the
-        # tokens cannot use it. Post-LN outputs are already normalised. The gain starts at
-        # the scale of the inputs the memory sits beside (the initial memory and the
-        # sqrt(d)-scaled embeddings): at gain 1 the memory rows' residual is ~4x larger
-        # than what attention adds to them, they echo their input, and reverse in 2
-        # segments fell from 0.999 to 0.24 accuracy (docs/rmt.md).
+        # tokens cannot use it. Post-LN outputs are already normalised. Its gain is
+        # `rmt.memory_norm` (docs/rmt.md has what each choice measured).
         self.memory_layer_norm = None
-        if cfg.pre_lnorm:
+        if cfg.pre_lnorm and cfg.rmt.memory_norm != "off":
             self.memory_layer_norm = nn.LayerNorm(cfg.d_model)
-            nn.init.constant_(self.memory_layer_norm.weight, std)
+            if cfg.rmt.memory_norm == "embedding":
+                nn.init.constant_(self.memory_layer_norm.weight, std)
 
     @property
     def init_memory(self) -> nn.Parameter:
