@@ -216,7 +216,7 @@ def test_the_sbatch_script_reads_the_status_and_the_port_through_the_python_entr
                     SubmitOptions(gpus_per_node=0, python=sys.executable, launcher=launcher))
     lines = _script_lines(script, "export MASTER_PORT=", "RUN_DIR=", "STATE=",
                           "HOSTFILE=") + '\necho "$MASTER_PORT $STATE ${HOSTFILE:-}"'
-    env = {**os.environ, "SLURM_JOB_ID": "123456", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "SLURM_JOB_ID": "54321", "PYTHONPATH": str(ROOT)}
 
     def job():
         done = subprocess.run(["bash", "-euo", "pipefail", "-c", lines], env=env, cwd=tmp_path,
@@ -225,8 +225,8 @@ def test_the_sbatch_script_reads_the_status_and_the_port_through_the_python_entr
         return done.stdout.split()
 
     port = resolve_env({"SLURM_PROCID": "0", "SLURM_NTASKS": "1",
-                        "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "123456"}).master_port
-    hostfile = [str(run.hostfile("123456"))] if launcher == "deepspeed" else []
+                        "SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "54321"}).master_port
+    hostfile = [str(run.hostfile("54321"))] if launcher == "deepspeed" else []
     assert job() == [str(port), "failed", *hostfile]
     run.path.mkdir()
     run.write_status("interrupted", 5)
