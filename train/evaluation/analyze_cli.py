@@ -120,7 +120,7 @@ def analyze_run(cfg: RunConfig, checkpoint: str | None = None, split: str | None
     for path in files:
         print(f"wrote {path}")
     if track and cfg.tracking.enabled and files:
-        log_to_run(cfg, info.step, artifacts=[(path, "analysis") for path in files])
+        log_to_run(cfg, info.step, artifacts=[(path, out_dir.name) for path in files])
         print(f"logged {len(files)} files to the run's MLflow run under analysis/")
     return files
 

@@ -95,7 +95,7 @@ def _single(cfg, model, manifest, info, env, device, track) -> dict:
         if track and cfg.tracking.enabled:
             tag = f"eval_{proto.split}_m{proto.mem_len}_l{proto.tgt_len}"
             log_to_run(cfg, info.step, {f"{tag}_loss": report["loss"]},
-                       [(out_dir / name, "eval")])
+                       [(out_dir / name, out_dir.name)])
     return report
 
 

@@ -174,5 +174,5 @@ def save_and_log(cfg: RunConfig, sweep: dict, step: int, tag: str, track: bool) 
         from .cli import log_to_run
         curve = [(f"sweep_{sweep['split']}_loss_tgt{p['protocol']['tgt_len']}", p["loss"],
                   p["protocol"]["mem_len"]) for p in sweep["points"] if "error" not in p]
-        log_to_run(cfg, step, None, [(path, "eval"), (png, "eval")], metric_steps=curve)
+        log_to_run(cfg, step, None, [(path, out_dir.name), (png, out_dir.name)], metric_steps=curve)
     return path
