@@ -21,7 +21,8 @@ from model.typed import build_dataclass
 from train.config import PROJECT_ROOT, from_dict, load_config
 
 CONFIGS = sorted((PROJECT_ROOT / "configs").glob("*.yaml"))
-RMT_FIELDS = "mem_loss_token, mem_loss_weight, num_mem_tokens, read_mem_from_cache"
+RMT_FIELDS = ("mem_loss_token, mem_loss_weight, memory_norm, num_mem_tokens, "
+              "read_mem_from_cache")
 
 
 # ----------------------------------------------------------------------------- the builder
