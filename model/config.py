@@ -50,11 +50,11 @@ class RMTOptions:
     # before they become the next memory, or the memory's norm grows with every segment of
     # a stream. "unit": gain 1 (the streams, quickstart and smoke were measured with it);
     # "embedding": gain init_std * sqrt(d_model), the scale of the initial memory and the
-    # embeddings (the task configs); "off": none (fine for a few segments per sample).
+    # embeddings (the copy config); "none": no LayerNorm (the reverse and AR configs).
     memory_norm: str = "unit"
 
 
-MEMORY_NORMS = ("unit", "embedding", "off")
+MEMORY_NORMS = ("unit", "embedding", "none")
 
 
 @dataclass

@@ -70,7 +70,7 @@ class RMT(RelativeBackbone):
         # tokens cannot use it. Post-LN outputs are already normalised. Its gain is
         # `rmt.memory_norm` (docs/rmt.md has what each choice measured).
         self.memory_layer_norm = None
-        if cfg.pre_lnorm and cfg.rmt.memory_norm != "off":
+        if cfg.pre_lnorm and cfg.rmt.memory_norm != "none":
             self.memory_layer_norm = nn.LayerNorm(cfg.d_model)
             if cfg.rmt.memory_norm == "embedding":
                 nn.init.constant_(self.memory_layer_norm.weight, std)

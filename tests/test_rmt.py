@@ -122,7 +122,7 @@ def test_auxiliary_memory_loss_is_added_with_its_weight():
 
 @pytest.mark.parametrize("pre_lnorm, memory_norm, bounded", [
     (False, "unit", True), (True, "unit", True), (True, "embedding", True),
-    (True, "off", False)])
+    (True, "none", False)])
 def test_memory_norm_stays_bounded_over_a_long_stream(pre_lnorm, memory_norm, bounded):
     """The write outputs re-enter the stack as the next segment's inputs. Pre-LN does not
     normalise its residual stream, so without the memory's own LayerNorm the memory norm
