@@ -219,9 +219,12 @@ class _Loop:
             warnings.warn(f"non-finite loss at step {self.state.step + 1}: fp16 loss scaling "
                           "skips this step", stacklevel=2)
         self.engine.backward(res.loss)
-        if self.stage == 0 and self.engine.is_gradient_accumulation_boundary():
+        step, cfg = self.state.step + 1, self.cfg
+        logs = step % cfg.log_every == 0 or step == cfg.max_steps
+        if self.stage == 0 and logs and self.engine.is_gradient_accumulation_boundary():
             # Without ZeRO, DeepSpeed clips fp32 gradients itself and returns no norm; the
             # gradients are already all-reduced here, so every rank computes the same one.
+            # Only on steps that log it: it is one more pass over every gradient.
             grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
             self.grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else None
         self.engine.step()
