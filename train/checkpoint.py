@@ -122,7 +122,8 @@ def _prune(root: Path, keep_last: int) -> None:
             shutil.rmtree(extra, ignore_errors=True)
 
 
-def _read(path: Path) -> CheckpointInfo | None:
+def read_checkpoint(path: Path) -> CheckpointInfo | None:
+    """The checkpoint in `path` if it is complete (COMPLETE marker and every rank file), else None."""
     marker = path / MARKER
     if not marker.is_file():
         return None
@@ -141,7 +142,7 @@ def complete_checkpoints(root: Path) -> list[CheckpointInfo]:
     """Complete checkpoints, oldest first (folders without COMPLETE or rank files skipped)."""
     if not root.is_dir():
         return []
-    found = [_read(p) for p in root.iterdir() if p.is_dir() and p.name.startswith("step")
+    found = [read_checkpoint(p) for p in root.iterdir() if p.is_dir() and p.name.startswith("step")
              and not p.name.endswith("_universal")]
     return sorted((f for f in found if f is not None), key=lambda f: f.step)
 
@@ -150,7 +151,7 @@ def find_latest(root: Path) -> CheckpointInfo | None:
     """The checkpoint named by `latest` if complete, else the newest complete one."""
     pointer = root / LATEST
     if pointer.is_file():
-        info = _read(root / pointer.read_text().strip())
+        info = read_checkpoint(root / pointer.read_text().strip())
         if info is not None:
             return info
     done = complete_checkpoints(root)

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from ..checkpoint import CheckpointInfo, _read, find_latest
+from ..checkpoint import CheckpointInfo, find_latest, read_checkpoint
 from ..config import RunConfig
 from ..distributed import device_for, resolve_env
 from ..export import load_weights
@@ -24,7 +24,7 @@ def pick_checkpoint(cfg: RunConfig, name: str | None) -> CheckpointInfo | None:
     root = RunDir(cfg.resolved_run_dir).checkpoints
     if name is None:
         return find_latest(root)
-    info = _read(root / name)
+    info = read_checkpoint(root / name)
     if info is None:
         raise FileNotFoundError(f"{root / name} is not a complete checkpoint")
     return info
