@@ -4,7 +4,7 @@
         --json benchmarks/results/eval_speed.json
     python benchmarks/bench_eval_speed.py --quick              # smoke check, < 30 s
 
-For every attention length L (`train.evaluation.speed.compare_speed`, bare model, fp32,
+For every attention length L (`evaluation.speed.compare_speed`, bare model, fp32,
 torch.inference_mode, random tokens):
 
   vanilla      Al-Rfou et al.: each token scored by one forward over the L tokens before it,
@@ -35,8 +35,8 @@ import time
 import torch
 from common import add_model_size_args, write_json
 
+from evaluation.speed import compare_speed
 from model import ModelConfig, build_model
-from train.evaluation.speed import compare_speed
 
 
 def keep_freed_memory() -> bool:

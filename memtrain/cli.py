@@ -42,14 +42,14 @@ def error_line(prog: str, err: BaseException) -> int:
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("train.cli", "main_train", "train a model (DeepSpeed; resumes a run directory)"),
     "eval": ("train.cli", "main_eval", "score a run's checkpoint under an evaluation protocol"),
-    "recl": ("train.evaluation.recl_cli", "main_recl",
+    "recl": ("evaluation.recl_cli", "main_recl",
              "relative effective context length of a group of runs (XL App. C)"),
-    "analyze": ("train.evaluation.analyze_cli", "main_analyze",
+    "analyze": ("evaluation.analyze_cli", "main_analyze",
                 "plot how a checkpoint uses its memory (attention vs distance, LaMemo alpha, "
                 "RMT maps) into the run's MLflow run"),
-    "generate": ("train.evaluation.generate_cli", "main_generate",
+    "generate": ("evaluation.generate_cli", "main_generate",
                  "sample text from a checkpoint, memory carried across segments"),
-    "compare": ("train.compare.cli", "main_compare",
+    "compare": ("compare.cli", "main_compare",
                 "compare MLflow runs in one self-contained HTML report (+ markdown)"),
     "export": ("train.cli", "main_export", "write a run's weights as one fp32 safetensors file"),
     "submit": ("cluster.submit", "main_submit", "render a run's sbatch script and submit it"),

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from mlflow.entities import Metric, Param
 
-from train.compare.cli import main_compare
-from train.compare.summary import describe_protocol
+from compare.cli import main_compare
+from compare.summary import describe_protocol
 
 REAL_EXP, MANY_EXP = "cmp-real", "cmp-many"
 MECHS = ("xl", "lamemo", "rmt")

@@ -182,7 +182,7 @@ def test_two_runs_share_one_store_under_the_runs_root_and_a_bare_compare_sees_bo
         tmp_path, monkeypatch, capsys):
     from train_helpers import run_train, tiny_config
 
-    from train.compare.cli import main_compare
+    from compare.cli import main_compare
 
     configs = [tiny_config(tmp_path, name, max_steps=4, eval={"every": 2, "max_segments": 2})
                for name in ("first", "second")]
@@ -225,7 +225,7 @@ def test_a_run_made_with_its_own_store_keeps_it_without_a_uri(tmp_path):
 
 def test_compare_runs_root_names_the_shared_store_and_wins_over_the_environment(
         tmp_path, monkeypatch, capsys):
-    from train.compare.cli import main_compare
+    from compare.cli import main_compare
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # never asked
     assert main_compare(["--runs-root", str(tmp_path / "elsewhere"), "--no-log"]) == 2

@@ -29,9 +29,9 @@ from mlflow.entities import Metric, Param
 from mlflow_server import free_port, mlflow_server_fixture  # noqa: F401
 from train_helpers import run_train, tiny_config
 
-from train.compare import plots
-from train.compare.cli import main_compare
-from train.compare.summary import describe_protocol
+from compare import plots
+from compare.cli import main_compare
+from compare.summary import describe_protocol
 
 pytestmark = pytest.mark.slow
 
@@ -336,7 +336,7 @@ def test_nothing_to_compare_exits_2_with_a_clear_message(case, real, local_store
 
 
 def test_protocol_text_from_params_reads_like_the_training_log():
-    from train.evaluation.evaluate import EvalProtocol
+    from train.evaluate import EvalProtocol
 
     for changes in ({}, {"max_segments": 0}, {"carry_memory": False, "same_length": True}):
         proto = EvalProtocol(**{**PROTOCOL, **changes})

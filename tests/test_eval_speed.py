@@ -10,7 +10,7 @@ import pytest
 import torch
 from reference import tiny_model
 
-from train.evaluation.speed import cached_nll, compare_speed, vanilla_sliding_nll
+from evaluation.speed import cached_nll, compare_speed, vanilla_sliding_nll
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 SEG, N = 4, 25  # 24 scored tokens = 6 segments of 4

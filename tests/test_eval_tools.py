@@ -15,8 +15,8 @@ import torch
 from train_helpers import BIN, ROOT, child_env, run_train
 
 from data_pipeline.vocab import ByteVocab, WordVocab
-from train.evaluation import recl as R
-from train.evaluation.generate_cli import StreamingDecoder
+from evaluation import recl as R
+from evaluation.generate_cli import StreamingDecoder
 
 DEPENDENCY = 16
 
@@ -164,8 +164,8 @@ def test_a_checkpoint_written_with_a_field_this_code_does_not_know_is_named(runs
 # ----------------------------------------------------------------------------- generate
 @pytest.mark.slow
 def test_generate_streams_what_the_library_samples_with_the_memory_carried(runs):
+    from evaluation.generate_cli import load_for_generation
     from model import generate
-    from train.evaluation.generate_cli import load_for_generation
 
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 0, 0, 0, 1, 2, 3]
     done = _memtrain("generate", "--checkpoint", runs["mem16"], "--prompt-ids",

@@ -6,7 +6,7 @@ from reference import tiny_model
 
 from model import ConfigError
 from train.config import load_config
-from train.evaluation.evaluate import protocol_for
+from train.evaluate import protocol_for
 
 
 def test_using_lengths_switches_for_the_block_and_restores_even_on_error():

@@ -14,9 +14,9 @@ from reference import tiny_model
 from train_helpers import run_train, tiny_config
 
 import model.attention as attention
+from evaluation.analyze_cli import main_analyze
+from evaluation.memory_plots import DistanceProfile, MemoryAnalysis, RMTBlocks, recording
 from model.rmt import rmt_allowed
-from train.evaluation.analyze_cli import main_analyze
-from train.evaluation.memory_plots import DistanceProfile, MemoryAnalysis, RMTBlocks, recording
 
 SEG = 4
 CASES = {

@@ -93,11 +93,11 @@ def main_eval(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"memtrain eval: invalid config: {err}", file=sys.stderr)
         return 2
-    from .evaluation.cli import run_eval
+    from evaluation.cli import run_eval
     try:
         points = None
         if args.sweep:
-            from .evaluation.sweep import sweep_grid
+            from evaluation.sweep import sweep_grid
             points = sweep_grid(args.tgt_lens or [cfg.eval.tgt_len or cfg.model.tgt_len],
                                 args.mem_lens, args.multiples)
         elif args.multiples or args.mem_lens or args.tgt_lens:
@@ -130,8 +130,9 @@ def main_export(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"memtrain export: {err}", file=sys.stderr)
         return 2
+    from evaluation.cli import pick_checkpoint
+
     from .checkpoint import find_latest
-    from .evaluation.cli import pick_checkpoint
     from .export import export_checkpoint
     info = pick_checkpoint(cfg, args.checkpoint) if args.checkpoint else \
         find_latest(RunDir(cfg.resolved_run_dir).checkpoints)

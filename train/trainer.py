@@ -30,7 +30,7 @@ from .config import RunConfig, dump_yaml
 from .curriculum import SegmentCurriculum
 from .distributed import all_reduce_sum, barrier, device_for, init_process_group, resolve_env
 from .engine import build_ds_config, initialize, zero_stage
-from .evaluation.evaluate import evaluate, headline, protocol_for
+from .evaluate import evaluate, headline, protocol_for
 from .progress import Progress, peak_memory_mb
 from .resume import restore
 from .run_dir import RunDir, atomic_write_json, atomic_write_text

@@ -27,8 +27,7 @@ import torch
 from model.attention import AttentionRecord, AttnLayout
 from model.lamemo import LaMemo
 from model.rmt import RMT
-
-from ..run_dir import atomic_write_json
+from train.run_dir import atomic_write_json
 
 MAX_PANELS = 8  # layers drawn per figure, evenly spaced (LaMemo Fig. 6 shows 8 of 16)
 

@@ -20,10 +20,9 @@ from pathlib import Path
 import torch
 
 from model import ConfigError
-
-from ..cli import _run_config
-from ..config import RunConfig, load_config
-from ..run_dir import RunDir
+from train.cli import _run_config
+from train.config import RunConfig, load_config
+from train.run_dir import RunDir
 
 PROG = "memtrain analyze"
 
@@ -55,10 +54,10 @@ def analyze_run(cfg: RunConfig, checkpoint: str | None = None, split: str | None
     """Analyse a run's checkpoint; returns the files written. Raises FileNotFoundError (no
     checkpoint), ShardError (no such split) or ValueError (bad numbers, data too short)."""
     from data_pipeline.shards import load_manifest
+    from train.evaluate import protocol_for
+    from train.export import load_weights
 
-    from ..export import load_weights
     from .cli import log_to_run, pick_checkpoint
-    from .evaluate import protocol_for
     from .memory_plots import MemoryAnalysis
 
     if segments < 1 or rows < 1:

@@ -12,12 +12,12 @@ import time
 
 import torch
 
-from ..checkpoint import CheckpointInfo, find_latest, read_checkpoint
-from ..config import RunConfig
-from ..distributed import device_for, resolve_env
-from ..export import load_weights
-from ..run_dir import FINISHED, INTERRUPTED, RunDir, atomic_write_json
-from .evaluate import evaluate, headline, protocol_for
+from train.checkpoint import CheckpointInfo, find_latest, read_checkpoint
+from train.config import RunConfig
+from train.distributed import device_for, resolve_env
+from train.evaluate import evaluate, headline, protocol_for
+from train.export import load_weights
+from train.run_dir import FINISHED, INTERRUPTED, RunDir, atomic_write_json
 
 
 def pick_checkpoint(cfg: RunConfig, name: str | None) -> CheckpointInfo | None:
@@ -39,7 +39,7 @@ def log_to_run(cfg: RunConfig, step: int, metrics: dict[str, float] | None = Non
     whose x axis is not the training step (e.g. a memory-length sweep). artifacts are
     (path, artifact_dir) pairs. The run's status stays what training left (e.g. KILLED when
     it was interrupted), not FINISHED because an evaluation finished."""
-    from ..tracking import Tracker
+    from train.tracking import Tracker
 
     tracker = Tracker(cfg.resolved_run_dir, experiment=cfg.tracking.experiment,
                       run_name=cfg.name, tracking_uri=cfg.tracking.uri or None)

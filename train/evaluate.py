@@ -20,9 +20,9 @@ from data_pipeline.shards import Manifest
 from data_pipeline.streams import EpisodeStream, TokenStream
 from model import bits_per_token
 
-from ..bptt import run_window
-from ..config import EvalConfig, RunConfig
-from ..distributed import all_reduce_sum
+from .bptt import run_window
+from .config import EvalConfig, RunConfig
+from .distributed import all_reduce_sum
 
 # Character-level vocabularies report bits per character, word-level ones perplexity.
 _CHAR_VOCABS = ("bytes", "symbols", "chars")

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..run_dir import RunDir
+from train.run_dir import RunDir
 
 MODEL_TYPE = "memory-augmented-lm"      # tag of every training run (train/trainer.py)
 KIND_TAG = "memtrain.kind"              # "comparison" on the runs `memtrain compare` logs

@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..run_dir import artifact_location, shared_store_uri
+from train.run_dir import artifact_location, shared_store_uri
+
 from .runs import KIND_TAG, SelectionError, open_store, select
 
 LOG_EXPERIMENT = "memtrain-compare"

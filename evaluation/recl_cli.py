@@ -69,9 +69,9 @@ def _run(args) -> int:
     from data_pipeline.shards import load_manifest
     from data_pipeline.streams import TokenStream
     from data_pipeline.vocab import fingerprint
+    from train.cli import _run_config
+    from train.export import load_weights
 
-    from ..cli import _run_config
-    from ..export import load_weights
     from .cli import log_to_run, pick_checkpoint
     from .sweep import scored_window
 

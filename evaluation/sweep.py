@@ -25,10 +25,9 @@ from pathlib import Path
 import torch
 
 from model import ConfigError
-
-from ..config import RunConfig
-from ..run_dir import RunDir, atomic_write_json
-from .evaluate import EvalProtocol, evaluate, protocol_for
+from train.config import RunConfig
+from train.evaluate import EvalProtocol, evaluate, protocol_for
+from train.run_dir import RunDir, atomic_write_json
 
 DEFAULT_MULTIPLES = tuple(range(1, 11))
 

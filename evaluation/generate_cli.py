@@ -50,11 +50,11 @@ def load_for_generation(path: Path, data: str | None):
     """(model, vocabulary or None) from a run dir, a checkpoint folder or a .safetensors."""
     from data_pipeline.shards import load_manifest
     from data_pipeline.vocab import vocab_from_dict
+    from train.checkpoint import MARKER
+    from train.cli import _run_config
+    from train.export import load_weights
+    from train.run_dir import RunDir
 
-    from ..checkpoint import MARKER
-    from ..cli import _run_config
-    from ..export import load_weights
-    from ..run_dir import RunDir
     from .cli import pick_checkpoint
 
     if path.suffix == ".safetensors":
