@@ -11,6 +11,15 @@ Episodic splits ("episodes", algorithmic tasks) store one sample per member grou
 
 Every chunk carries its own checksum, so corruption is caught whatever transport delivered the
 shard (local file, pipe:, http); the manifest also lists each shard's sha256 and token count.
+
+Seeking: for token splits the manifest records, per shard, the byte offset of each chunk's
+first tar header (`chunk_offsets`, n_chunks + 1 entries, the last one the end of the last
+chunk). A stream row that starts at chunk i of a local shard opens the file at that offset
+and reads from there, instead of reading (and discarding) chunks 0..i-1: with 64 chunks of
+1M tokens per shard, up to 63M ids (63 MB as uint8, 252 MB as uint32) less per row at every
+start, resume and epoch. Shards read through a URL (`data.url_template`: pipe:, http,
+s3 ...) are still read from their first member (no range requests). Manifests written
+before the offsets were recorded still work the old way, with a one-time warning.
 Writing is atomic: shards and the manifest go to temporary names and are renamed when complete,
 the manifest last, so a crash never leaves a manifest that points at half-written shards.
 """
@@ -20,12 +29,17 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import tarfile
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlparse
+from urllib.request import url2pathname
 
 import numpy as np
 import webdataset as wds
+from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_iterator
 
 from .atomic import AtomicFile, atomic_write_text
 
@@ -67,6 +81,14 @@ class ShardInfo:
     first_chunk: int     # index of its first chunk / sample
     n_chunks: int
     sha256: str
+    # Token splits: byte offset of each chunk's first tar header (the pax/GNU long-name
+    # header when there is one: tarfile's TarInfo.offset), then the end of the last chunk.
+    # None in manifests written before offsets were recorded, and for episode splits
+    # (read whole): the reader then starts at the shard's first member.
+    chunk_offsets: list[int] | None = None
+
+
+_SHARD_FIELDS = frozenset(ShardInfo.__dataclass_fields__)
 
 
 @dataclass
@@ -94,7 +116,8 @@ class Manifest:
              "vocab_fingerprint": self.vocab_fingerprint, "vocab_size": self.vocab_size,
              "dtype": self.dtype, "chunk_tokens": self.chunk_tokens, "extra": self.extra,
              "splits": {name: {"n_tokens": s.n_tokens, "raw_bytes": s.raw_bytes,
-                               "shards": [vars(sh) for sh in s.shards]}
+                               "shards": [{k: v for k, v in vars(sh).items()
+                                           if v is not None} for sh in s.shards]}
                         for name, s in self.splits.items()}}
         return json.dumps(d, indent=1, sort_keys=True)
 
@@ -105,7 +128,9 @@ class Manifest:
             raise ShardError(f"{location}/{MANIFEST}: format {d.get('format')!r} is not "
                              f"{FORMAT!r}; re-run `memtrain prepare`")
         splits = {name: SplitInfo(n_tokens=s["n_tokens"], raw_bytes=s.get("raw_bytes", 0),
-                                  shards=[ShardInfo(**sh) for sh in s["shards"]])
+                                  shards=[ShardInfo(**{k: v for k, v in sh.items()
+                                                       if k in _SHARD_FIELDS})
+                                          for sh in s["shards"]])
                   for name, s in d["splits"].items()}
         return cls(kind=d["kind"], source=d["source"], vocab=d["vocab"],
                    vocab_fingerprint=d["vocab_fingerprint"], vocab_size=d["vocab_size"],
@@ -152,11 +177,34 @@ def load_manifest(location: str | Path) -> Manifest:
 
 
 # ----------------------------------------------------------------------------- writing
-class _AtomicShardWriter:
-    """Writes numbered tar shards of at most `chunks_per_shard` member groups."""
+def _padded(n: int) -> int:
+    return -(-n // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
 
-    def __init__(self, out_dir: Path, split: str, chunks_per_shard: int):
+
+def group_offsets(path: Path) -> list[int]:
+    """Byte offset of each member group's first header in a tar file, then the end of its
+    last member's data: the `chunk_offsets` of a shard. Reads the headers only (seeking
+    over the data) and groups members by key the way webdataset does (base_plus_ext)."""
+    starts: list[int] = []
+    key, end = None, 0
+    with tarfile.open(path, "r:") as tar:
+        for info in tar:
+            prefix, _ = base_plus_ext(info.name)
+            if prefix != key:
+                starts.append(info.offset)
+                key = prefix
+            end = info.offset_data + _padded(info.size)
+    return starts + [end]
+
+
+class _AtomicShardWriter:
+    """Writes numbered tar shards of at most `chunks_per_shard` member groups; with
+    `record_offsets`, notes each group's byte offset for seeking readers."""
+
+    def __init__(self, out_dir: Path, split: str, chunks_per_shard: int,
+                 record_offsets: bool = False):
         self.out_dir, self.split, self.per_shard = out_dir, split, chunks_per_shard
+        self.record_offsets = record_offsets
         self.shards: list[ShardInfo] = []
         self._tar = self._file = None
         self._name = None
@@ -183,16 +231,24 @@ class _AtomicShardWriter:
             return
         self._tar.close()
         final = self._file.commit()
+        offsets = None
+        if self.record_offsets:
+            # Taken from the written file, not from the writer's bookkeeping: they are what
+            # a reader will find, whatever header format the tar writer chose.
+            offsets = group_offsets(final)
+            if len(offsets) != self._count + 1:
+                raise ShardError(f"{final}: {len(offsets) - 1} member groups written where "
+                                 f"{self._count} chunks were expected")
         self.shards.append(ShardInfo(path=self._name, n_tokens=self._tokens,
                                      first_chunk=self._first, n_chunks=self._count,
-                                     sha256=_file_sha256(final)))
+                                     sha256=_file_sha256(final), chunk_offsets=offsets))
         self._tar = None
 
 
 def write_token_split(out_dir: Path, split: str, pieces: Iterable[np.ndarray], dtype: np.dtype,
                       chunk_tokens: int, chunks_per_shard: int, progress=None) -> SplitInfo:
     """Re-cut the id pieces of one split into fixed chunks and write them as shards."""
-    writer = _AtomicShardWriter(out_dir, split, chunks_per_shard)
+    writer = _AtomicShardWriter(out_dir, split, chunks_per_shard, record_offsets=True)
     buf = np.empty(chunk_tokens, dtype=dtype)
     fill = chunk = total = 0
 
@@ -255,17 +311,43 @@ def _identity(urls):
     return urls
 
 
-def iter_shard_members(url: str) -> Iterator[dict]:
+def _local_path(url: str) -> Path | None:
+    """The file a shard URL names when it is on a (local or shared) file system, else None
+    (pipe:, http, s3 ...: a stream that can only be read from its start)."""
+    if url.startswith("file://"):
+        return Path(url2pathname(urlparse(url).path))
+    if "://" in url or url.startswith("pipe:"):
+        return None
+    return Path(url)
+
+
+def _groups_from(path: Path, offset: int, url: str) -> Iterator[dict]:
+    """The member groups of a local tar file from byte `offset` on (a header boundary),
+    grouped exactly as webdataset's tarfile_to_samples groups them."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        files = ({**member, "__url__": url} for member in tar_file_iterator(f))
+        yield from group_by_keys(files)
+
+
+def iter_shard_members(url: str, offset: int = 0) -> Iterator[dict]:
     """The member groups of one shard, in order, as raw bytes. Our own code picks the shards,
-    so webdataset's node/worker splitting and shuffling are switched off."""
-    local = "://" not in url and not url.startswith("pipe:")
-    if local and not Path(url).exists():
+    so webdataset's node/worker splitting and shuffling are switched off. With `offset` > 0
+    (a local shard only) reading starts at that byte, which must be where a member group's
+    first header starts (ShardInfo.chunk_offsets)."""
+    path = _local_path(url)
+    if path is not None and not path.exists():
         raise ShardError(f"missing shard {url}: the manifest lists it but the file is not there "
                          "(copy it back or run `memtrain prepare` again)")
-    ds = wds.WebDataset([url], shardshuffle=False, nodesplitter=_identity,
-                        workersplitter=_identity, empty_check=False)
+    if offset:
+        if path is None:
+            raise ValueError(f"{url}: only a local shard can be read from an offset")
+        samples = _groups_from(path, offset, url)
+    else:
+        samples = wds.WebDataset([url], shardshuffle=False, nodesplitter=_identity,
+                                 workersplitter=_identity, empty_check=False)
     try:
-        for sample in ds:
+        for sample in samples:
             missing = [m for m in ("meta.json", "tokens.npy") if m not in sample]
             if missing:
                 raise ShardError(f"{url}: member group {sample.get('__key__')!r} lacks "
@@ -275,21 +357,52 @@ def iter_shard_members(url: str) -> Iterator[dict]:
     except ShardError:
         raise
     except Exception as err:  # tarfile.ReadError, truncated stream, pipe failure ...
-        raise ShardError(f"cannot read shard {url}: {type(err).__name__}: {err} "
+        where = f" from byte {offset} (the manifest's chunk offset)" if offset else ""
+        raise ShardError(f"cannot read shard {url}{where}: {type(err).__name__}: {err} "
                          "(truncated or corrupted; run `memtrain prepare` again)") from err
+
+
+_WARNED_NO_OFFSETS: set[str] = set()
+
+
+def _seek_offset(manifest: Manifest, shard: ShardInfo, skip: int, url: str) -> int:
+    """Byte offset at which chunk `first_chunk + skip` of `shard` starts, or 0 when the shard
+    must be read from its first member: a URL shard (pipe:, http ...: no range requests), or
+    a manifest written before chunk offsets were recorded (warned once per manifest)."""
+    if skip == 0 or _local_path(url) is None:
+        return 0
+    offsets = shard.chunk_offsets
+    if offsets is None:
+        if manifest.location not in _WARNED_NO_OFFSETS:
+            _WARNED_NO_OFFSETS.add(manifest.location)
+            warnings.warn(
+                f"{manifest.location}/{MANIFEST} has no chunk offsets (written by an older "
+                "memtrain): every stream row reads its shard from the first member to reach "
+                "its chunk, which at scale means gigabytes read at every start, resume and "
+                "epoch. Re-run `memtrain prepare` to record the offsets (shards and order "
+                "stay the same).", stacklevel=3)
+        return 0
+    if len(offsets) != shard.n_chunks + 1:
+        raise ShardError(f"{url}: the manifest lists {len(offsets)} chunk offsets for "
+                         f"{shard.n_chunks} chunks (corrupted manifest); run `memtrain "
+                         "prepare` again")
+    return int(offsets[skip])
 
 
 def iter_chunks(manifest: Manifest, split: str, first_chunk: int = 0,
                 url_template: str | None = None) -> Iterator[tuple[int, np.ndarray]]:
     """(chunk index, ids) of a token split from `first_chunk` on, checked against the
-    manifest and each chunk's checksum."""
+    manifest and each chunk's checksum. A local shard is opened at the first wanted chunk
+    (the manifest's chunk offsets); otherwise earlier chunks are read and skipped."""
     info = manifest.split(split)
     for shard in info.shards:
         if shard.first_chunk + shard.n_chunks <= first_chunk:
             continue
         url = manifest.shard_url(shard, url_template)
-        expect = shard.first_chunk
-        for sample in iter_shard_members(url):
+        skip = max(0, first_chunk - shard.first_chunk)
+        offset = _seek_offset(manifest, shard, skip, url)
+        expect = shard.first_chunk + (skip if offset else 0)
+        for sample in iter_shard_members(url, offset):
             if expect < first_chunk:  # skip to the wanted chunk (no decode, no hash)
                 expect += 1
                 continue
