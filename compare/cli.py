@@ -78,6 +78,7 @@ def main_compare(argv: list[str] | None = None) -> int:
     if args.max_runs < 1:
         print("memtrain compare: --max-runs must be at least 1", file=sys.stderr)
         return 2
+    # mlflow takes ~1.5 s to import: not for --help or a bad option
     from mlflow.exceptions import MlflowException
 
     try:

@@ -117,6 +117,7 @@ def open_store(uri: str):
         folder = Path(uri.removeprefix("file://").removeprefix("file:"))
         if not folder.is_dir():
             raise SelectionError(f"no MLflow store at {uri}: {folder} is not a directory")
+    # mlflow takes ~1.5 s to import: only once the store is known to exist
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri=uri)
@@ -200,7 +201,7 @@ def _experiment_ids(client, wanted, skip: str | None, names: dict, left: list) -
 
 
 def _search(client, exp_ids: list[str], filter_string: str) -> list:
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # lazily, as in open_store
 
     runs, token = [], None
     while exp_ids and len(runs) < MAX_SEARCHED:
@@ -221,7 +222,7 @@ def _search(client, exp_ids: list[str], filter_string: str) -> list:
 
 
 def _get_run(client, run_id: str, left: list):
-    from mlflow.exceptions import MlflowException
+    from mlflow.exceptions import MlflowException  # lazily, as in open_store
 
     try:
         return client.get_run(run_id)

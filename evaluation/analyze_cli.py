@@ -6,7 +6,7 @@
 Reads `--segments` segments of every one of `--rows` stream rows of the split, carrying the
 memory as in evaluation (the eval.* lengths apply: eval.mem_len=64 analyses a longer
 memory), after a warm-up that fills the memory. Writes to <run_dir>/analysis/ the plots
-that apply to the mechanism (train/evaluation/memory_plots.py), each PNG with a JSON of its numbers,
+that apply to the mechanism (evaluation/memory_plots.py), each PNG with a JSON of its numbers,
 and logs them as artifacts under analysis/ of the run's MLflow run.
 """
 
@@ -19,18 +19,22 @@ from pathlib import Path
 
 import torch
 
+from data_pipeline.shards import ShardError, load_manifest
+from data_pipeline.streams import EpisodeStream, TokenStream
 from model import ConfigError
-from train.cli import _run_config
 from train.config import RunConfig, load_config
+from train.evaluate import protocol_for
+from train.export import load_weights
+from train.run_access import load_run_config, log_to_run, pick_checkpoint
 from train.run_dir import RunDir
+
+from .memory_plots import MemoryAnalysis
 
 PROG = "memtrain analyze"
 
 
 def _segment_source(manifest, split: str, rows: int, tgt_len: int, url_template: str):
     """(stream, warm-up segments per row or episode, counted segments available, episodic)."""
-    from data_pipeline.streams import EpisodeStream, TokenStream
-
     if manifest.kind == "episodes":
         stream = EpisodeStream(manifest, split, rows, shuffle=False,
                                url_template=url_template or None)
@@ -53,13 +57,6 @@ def analyze_run(cfg: RunConfig, checkpoint: str | None = None, split: str | None
                 device: torch.device | None = None) -> list[Path]:
     """Analyse a run's checkpoint; returns the files written. Raises FileNotFoundError (no
     checkpoint), ShardError (no such split) or ValueError (bad numbers, data too short)."""
-    from data_pipeline.shards import load_manifest
-    from train.evaluate import protocol_for
-    from train.export import load_weights
-
-    from .cli import log_to_run, pick_checkpoint
-    from .memory_plots import MemoryAnalysis
-
     if segments < 1 or rows < 1:
         raise ValueError(f"--segments and --rows must be >= 1, got {segments} and {rows}")
     split = split or cfg.eval.split
@@ -142,7 +139,7 @@ def main_analyze(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         if args.run_dir:
-            cfg = _run_config(args.run_dir, args.overrides)
+            cfg = load_run_config(args.run_dir, args.overrides)
         else:
             cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
@@ -150,7 +147,6 @@ def main_analyze(argv: list[str] | None = None) -> int:
         return 2
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
-    from data_pipeline.shards import ShardError
     try:
         analyze_run(cfg, args.checkpoint, args.split, args.segments, args.rows,
                     track=not args.no_track)

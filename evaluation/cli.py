@@ -1,5 +1,8 @@
 """`memtrain eval`: score a run's checkpoint under any evaluation protocol, without DeepSpeed.
 
+    memtrain eval --run-dir runs/quickstart [eval.mem_len=64 eval.split=test ...]
+    memtrain eval --run-dir runs/quickstart --sweep [--multiples 1,2,4]   (evaluation/sweep.py)
+
 The fp32 weights are consolidated from the checkpoint (any ZeRO stage) into a plain model;
 launched on several ranks (torchrun / srun), each rank reads its rows and the sums are
 all-reduced. The report goes to `<run_dir>/eval/` and into the run's MLflow run.
@@ -7,59 +10,76 @@ all-reduced. The report goes to `<run_dir>/eval/` and into the run's MLflow run.
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
 import torch
 
-from train.checkpoint import CheckpointInfo, find_latest, read_checkpoint
+from data_pipeline.shards import load_manifest
+from memtrain.cli import CommandParser
+from model import ConfigError
 from train.config import RunConfig
 from train.distributed import device_for, resolve_env
 from train.evaluate import evaluate, headline, protocol_for
 from train.export import load_weights
-from train.run_dir import FINISHED, INTERRUPTED, RunDir, atomic_write_json
+from train.run_access import load_run_config, log_to_run, pick_checkpoint
+from train.run_dir import RunDir, atomic_write_json
+
+from .sweep import format_table, run_sweep, save_and_log, sweep_grid
 
 
-def pick_checkpoint(cfg: RunConfig, name: str | None) -> CheckpointInfo | None:
-    root = RunDir(cfg.resolved_run_dir).checkpoints
-    if name is None:
-        return find_latest(root)
-    info = read_checkpoint(root / name)
-    if info is None:
-        raise FileNotFoundError(f"{root / name} is not a complete checkpoint")
-    return info
+def main_eval(argv: list[str] | None = None) -> int:
+    p = CommandParser(prog="memtrain eval", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("overrides", nargs="*", metavar="eval.field=value",
+                   help="e.g. eval.split=test eval.mem_len=2100 eval.tgt_len=80")
+    p.add_argument("--checkpoint", help="checkpoint folder name (default: latest)")
+    p.add_argument("--no-track", action="store_true", help="do not log to the run's MLflow run")
+    sweep = p.add_argument_group("memory-length sweep (LaMemo's extrapolation figure)")
+    sweep.add_argument("--sweep", action="store_true",
+                       help="score over evaluation memory lengths instead of once")
+    sweep.add_argument("--multiples", type=_int_list, metavar="1,2,...",
+                       help="mem_len = m x tgt_len for each m (default 1..10)")
+    sweep.add_argument("--mem-lens", type=_int_list, metavar="64,128,...",
+                       help="explicit memory lengths instead of multiples")
+    sweep.add_argument("--tgt-lens", type=_int_list, metavar="32,64",
+                       help="segment lengths (default: the eval protocol's)")
+    args = p.parse_intermixed_args(argv)
+    try:
+        cfg = load_run_config(args.run_dir, args.overrides)
+    except ConfigError as err:
+        print(f"memtrain eval: invalid config: {err}", file=sys.stderr)
+        return 2
+    try:
+        points = None
+        if args.sweep:
+            points = sweep_grid(args.tgt_lens or [cfg.eval.tgt_len or cfg.model.tgt_len],
+                                args.mem_lens, args.multiples)
+        elif args.multiples or args.mem_lens or args.tgt_lens:
+            print("memtrain eval: --multiples/--mem-lens/--tgt-lens need --sweep",
+                  file=sys.stderr)
+            return 2
+        report = run_eval(cfg, args.checkpoint, track=not args.no_track, sweep_points=points)
+    except (FileNotFoundError, ValueError) as err:  # no such checkpoint; weights vs config
+        print(f"memtrain eval: {err}", file=sys.stderr)
+        return 1
+    return 0 if report else 1
 
 
-def log_to_run(cfg: RunConfig, step: int, metrics: dict[str, float] | None = None,
-               artifacts: list[tuple] = (), metric_steps: list[tuple[str, float, int]] = ()
-               ) -> None:
-    """Add evaluation results to the training run's MLflow run (same run dir, same run id).
-
-    metrics are logged at `step`; metric_steps are (key, value, step) triples for curves
-    whose x axis is not the training step (e.g. a memory-length sweep). artifacts are
-    (path, artifact_dir) pairs. The run's status stays what training left (e.g. KILLED when
-    it was interrupted), not FINISHED because an evaluation finished."""
-    from train.tracking import Tracker
-
-    tracker = Tracker(cfg.resolved_run_dir, experiment=cfg.tracking.experiment,
-                      run_name=cfg.name, tracking_uri=cfg.tracking.uri or None)
-    if metrics:
-        tracker.log_metrics(metrics, step)
-    for key, value, at in metric_steps:
-        tracker.log_metrics({key: value}, at, local=False)
-    for path, artifact_dir in artifacts:
-        tracker.log_artifact(path, artifact_dir)
-    run_state = RunDir(cfg.resolved_run_dir).read_status()
-    tracker.close({FINISHED: "FINISHED", INTERRUPTED: "KILLED"}.get(
-        run_state.get("state"), "FAILED" if run_state else "FINISHED"))
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
+                                          "integers") from None
 
 
 def run_eval(cfg: RunConfig, checkpoint: str | None, track: bool = True,
              sweep_points: list[tuple[int, int]] | None = None) -> dict | None:
     """Score the checkpoint under the run's eval protocol, or, with `sweep_points`
-    ((tgt_len, mem_len) pairs), over a memory-length sweep (train/evaluation/sweep.py)."""
-    from data_pipeline.shards import load_manifest
-
+    ((tgt_len, mem_len) pairs), over a memory-length sweep (evaluation/sweep.py)."""
     env = resolve_env()
     if env.world_size > 1:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -100,8 +120,6 @@ def _single(cfg, model, manifest, info, env, device, track) -> dict:
 
 
 def _sweep(cfg, model, manifest, points, info, env, device, track) -> dict:
-    from .sweep import format_table, run_sweep, save_and_log
-
     sweep = run_sweep(cfg, model, manifest, points, device, env.rank, env.world_size)
     sweep.update(checkpoint=info.path.name, step=info.step)
     if env.is_main:

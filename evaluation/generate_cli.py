@@ -22,7 +22,13 @@ from pathlib import Path
 
 import torch
 
-from model import ConfigError
+from data_pipeline.shards import load_manifest
+from data_pipeline.vocab import vocab_from_dict
+from model import ConfigError, load_model, stream_generate
+from train.checkpoint import MARKER
+from train.export import load_weights
+from train.run_access import load_run_config, pick_checkpoint
+from train.run_dir import RunDir
 
 DECODE_WINDOW = 16  # tokens re-decoded to print a suffix (multi-token characters and words)
 
@@ -48,23 +54,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def load_for_generation(path: Path, data: str | None):
     """(model, vocabulary or None) from a run dir, a checkpoint folder or a .safetensors."""
-    from data_pipeline.shards import load_manifest
-    from data_pipeline.vocab import vocab_from_dict
-    from train.checkpoint import MARKER
-    from train.cli import _run_config
-    from train.export import load_weights
-    from train.run_dir import RunDir
-
-    from .cli import pick_checkpoint
-
     if path.suffix == ".safetensors":
-        from model import load_model
         model, data_path = load_model(path), data
     else:
         run_dir, name = path, None
         if (path / MARKER).is_file() and path.parent.name == RunDir.CHECKPOINTS:
             run_dir, name = path.parent.parent, path.name
-        cfg = _run_config(str(run_dir), [])
+        cfg = load_run_config(str(run_dir), [])
         info = pick_checkpoint(cfg, name)
         if info is None:
             raise FileNotFoundError(f"no complete checkpoint in {run_dir}")
@@ -108,8 +104,6 @@ class StreamingDecoder:
 
 
 def main_generate(argv: list[str] | None = None) -> int:
-    from model import stream_generate
-
     args = _parser().parse_args(argv)
     try:
         for name in ("max_new_tokens", "top_k"):

@@ -263,7 +263,8 @@ def shown_layers(n_layer: int) -> list[int]:
 
 
 def _figure(width: float, height: float):
-    # Figure + Agg canvas instead of pyplot: no global backend switch, no display needed.
+    # matplotlib (~0.4 s to import) only when a figure is drawn. Figure + Agg canvas instead
+    # of pyplot: no global backend switch, no display needed.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from data_pipeline.streams import TokenStream
+
 DEFAULT_RATIOS = (0.1, 0.5, 1.0)
 
 
@@ -82,8 +84,6 @@ def per_token_losses(model, manifest, split: str, rows: int, tgt_len: int, conte
                      skip: int, end: int, device, url_template: str | None = None
                      ) -> torch.Tensor:
     """NLL of tokens skip..end of every row with evaluation memory `context`, [rows * n]."""
-    from data_pipeline.streams import TokenStream
-
     was_training = model.training
     same = model.cfg.mechanism != "rmt" and context > 0
     model.eval()
@@ -148,6 +148,7 @@ def compute(losses: dict, names: list[str], contexts: list[int], ratios: list[fl
 def plot(res: ReclResult, out_png: Path) -> Path:
     """Left: unnormalised gain vs context (XL Fig. 3, smallest r); right: loss vs context
     (XL Fig. 4 plots perplexity)."""
+    # matplotlib (~0.4 s to import) only when the plot is drawn
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

@@ -3,7 +3,7 @@
     memtrain recl --run-dirs runs/xl runs/xl-nomem --step 16 --max-context 64
 
 Each run's latest checkpoint (or --checkpoint) is scored on the same tokens of the same
-split at contexts start, start+step, ..., max-context (train/evaluation/recl.py). Out: a
+split at contexts start, start+step, ..., max-context (evaluation/recl.py). Out: a
 table on the terminal, recl.json, recl.md and the gain plot in --out, and in every run's
 MLflow run the metrics recl_r<r> plus those files as artifacts under recl/.
 """
@@ -17,9 +17,15 @@ from pathlib import Path
 
 import torch
 
+from data_pipeline.shards import load_manifest
+from data_pipeline.streams import TokenStream
+from data_pipeline.vocab import fingerprint
 from model import ConfigError
+from train.export import load_weights
+from train.run_access import load_run_config, log_to_run, pick_checkpoint
 
 from . import recl as R
+from .sweep import scored_window
 
 
 def _floats(text: str) -> list[float]:
@@ -66,18 +72,9 @@ def main_recl(argv: list[str] | None = None) -> int:
 
 
 def _run(args) -> int:
-    from data_pipeline.shards import load_manifest
-    from data_pipeline.streams import TokenStream
-    from data_pipeline.vocab import fingerprint
-    from train.cli import _run_config
-    from train.export import load_weights
-
-    from .cli import log_to_run, pick_checkpoint
-    from .sweep import scored_window
-
     runs = []
     for run_dir in args.run_dirs:
-        cfg = _run_config(run_dir, [])
+        cfg = load_run_config(run_dir, [])
         info = pick_checkpoint(cfg, args.checkpoint)
         if info is None:
             raise FileNotFoundError(f"no complete checkpoint in {run_dir}")

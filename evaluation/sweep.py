@@ -24,9 +24,11 @@ from pathlib import Path
 
 import torch
 
+from data_pipeline.streams import TokenStream
 from model import ConfigError
 from train.config import RunConfig
 from train.evaluate import EvalProtocol, evaluate, protocol_for
+from train.run_access import log_to_run
 from train.run_dir import RunDir, atomic_write_json
 
 DEFAULT_MULTIPLES = tuple(range(1, 11))
@@ -80,8 +82,6 @@ def point_notes(proto: EvalProtocol, skip: int) -> list[str]:
 def run_sweep(cfg: RunConfig, model, manifest, points: list[tuple[int, int]],
               device: torch.device, rank: int = 0, world_size: int = 1) -> dict:
     """Score every point; returns {"points": [...], "skip_tokens", "end_tokens", ...}."""
-    from data_pipeline.streams import TokenStream
-
     if manifest.kind == "episodes":
         raise ValueError("a memory-length sweep needs a token stream; this run trains on "
                          "episodic task samples (score it with `memtrain eval`)")
@@ -131,6 +131,7 @@ def format_table(sweep: dict) -> str:
 
 
 def plot_sweep(sweep: dict, out_png: Path) -> Path:
+    # matplotlib (~0.4 s to import) only when a sweep is drawn
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -170,7 +171,6 @@ def save_and_log(cfg: RunConfig, sweep: dict, step: int, tag: str, track: bool) 
     path = atomic_write_json(out_dir / f"{stem}.json", sweep)
     png = plot_sweep(sweep, out_dir / f"{stem}.png")
     if track and cfg.tracking.enabled:
-        from .cli import log_to_run
         curve = [(f"sweep_{sweep['split']}_loss_tgt{p['protocol']['tgt_len']}", p["loss"],
                   p["protocol"]["mem_len"]) for p in sweep["points"] if "error" not in p]
         log_to_run(cfg, step, None, [(path, out_dir.name), (png, out_dir.name)], metric_steps=curve)

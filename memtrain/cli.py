@@ -1,4 +1,5 @@
-"""The `memtrain` command: a thin dispatcher over train/, data_pipeline/ and cluster/.
+"""The `memtrain` command: a thin dispatcher over train/, evaluation/, compare/, data_pipeline/
+and cluster/.
 
 Each subcommand lives in the package that owns it and is imported only when chosen, so
 `memtrain smoke` never pays for DeepSpeed or MLflow imports. The subcommands import from here
@@ -41,7 +42,8 @@ def error_line(prog: str, err: BaseException) -> int:
 # name -> (module, function `f(argv) -> int`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("train.cli", "main_train", "train a model (DeepSpeed; resumes a run directory)"),
-    "eval": ("train.cli", "main_eval", "score a run's checkpoint under an evaluation protocol"),
+    "eval": ("evaluation.cli", "main_eval",
+             "score a run's checkpoint under an evaluation protocol"),
     "recl": ("evaluation.recl_cli", "main_recl",
              "relative effective context length of a group of runs (XL App. C)"),
     "analyze": ("evaluation.analyze_cli", "main_analyze",

@@ -150,17 +150,14 @@ def test_train_reports_a_run_directory_it_cannot_write_in_one_line(tmp_path, mon
                                                                    capsys):
     # The trainer's own errors (config, shards, layout) are one line already; an OSError from
     # the file system (an unwritable run_dir) was a traceback. A stand-in trainer raises it
-    # without importing DeepSpeed.
-    import types
-
-    from train.cli import main_train
+    # without starting DeepSpeed.
+    import train.cli
 
     def main_entry(cfg, resume):
         raise PermissionError(13, "Permission denied", str(cfg.resolved_run_dir))
 
-    monkeypatch.setitem(sys.modules, "train.trainer", types.SimpleNamespace(
-        main_entry=main_entry))
-    code = main_train(["--config", "quickstart", f"run_dir={tmp_path}/locked"])
+    monkeypatch.setattr(train.cli, "main_entry", main_entry)
+    code = train.cli.main_train(["--config", "quickstart", f"run_dir={tmp_path}/locked"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err == [f"memtrain train: {tmp_path}/locked: Permission denied"]
 

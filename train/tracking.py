@@ -24,6 +24,7 @@ mlflow is imported lazily: non-zero ranks (enabled=False) never pay its ~2 s imp
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import math
@@ -103,7 +104,8 @@ def plot_loss_curve(metrics_jsonl: Path, out_png: Path) -> Path | None:
     valid = _read_points(metrics_jsonl, VALID_LOSS_KEYS)
     if not train and not valid:
         return None
-    # Figure + Agg canvas instead of pyplot: no global backend switch, no display needed.
+    # matplotlib (~0.4 s to import) only when a figure is drawn. Figure + Agg canvas instead
+    # of pyplot: no global backend switch, no display needed.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -190,7 +192,7 @@ class Tracker:
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
             _probe(uri)
-        from mlflow import MlflowClient
+        from mlflow import MlflowClient  # lazily: see the module docstring
 
         client = MlflowClient(tracking_uri=uri)
         flat = {_param_key(k): v for k, v in flatten_params(params).items()}
@@ -216,7 +218,7 @@ class Tracker:
             _warn(f"tracking URI changed from {old_uri} to {self.tracking_uri}: "
                   f"starting a new MLflow run instead of continuing run {old_id}")
             return None
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # lazily: see the module docstring
 
         try:
             run = client.get_run(old_id)
@@ -254,7 +256,7 @@ class Tracker:
         """Log the params not yet in the run (`logged`: all of them for a new run). MLflow
         refuses to change a logged param, so a resumed run keeps its first values and a changed
         value becomes the tag `memtrain.resumed_param.<key>`, with a warning."""
-        from mlflow.entities import Param
+        from mlflow.entities import Param  # lazily: see the module docstring
 
         clipped = {k: _clip(v, MAX_PARAM_VALUE) for k, v in flat.items()}
         new = [Param(k, v) for k, v in clipped.items() if k not in logged]
@@ -320,7 +322,7 @@ class Tracker:
                 _warn(f"cannot append to {self.metrics_path}: {err}")
         if self._client is None or not values:
             return
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # lazily: see the module docstring
 
         ms = int(now * 1000)
         batch = [Metric(_param_key(k), v, ms, int(step)) for k, v in values.items()]
@@ -354,7 +356,7 @@ class Tracker:
     def set_tags(self, tags: dict) -> None:
         if not self.enabled or self._client is None or not tags:
             return
-        from mlflow.entities import RunTag
+        from mlflow.entities import RunTag  # lazily: see the module docstring
 
         items = [RunTag(_param_key(str(k)), _clip(str(v), MAX_TAG_VALUE)) for k, v in tags.items()]
         self._log_batch("tags", items, MAX_PARAMS_PER_BATCH)
@@ -386,8 +388,6 @@ def _sqlite_lock(uri: str):
     if not uri.startswith("sqlite:///"):
         yield
         return
-    import fcntl
-
     db = Path(uri[len("sqlite:///"):]).absolute()
     db.parent.mkdir(parents=True, exist_ok=True)
     with open(db.with_name(db.name + ".lock"), "a") as handle:

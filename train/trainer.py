@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from data_pipeline.shards import ShardError, load_manifest
-from data_pipeline.streams import EpisodeStream, LayoutError, TokenStream
+from data_pipeline.streams import EpisodeStream, LayoutError, TokenStream, rows_of_rank
+from data_pipeline.synthetic import write_repeat_corpus
 from model import ConfigError, bits_per_token, build_model
 
 from . import checkpoint as ckpt
@@ -31,6 +32,7 @@ from .curriculum import SegmentCurriculum
 from .distributed import all_reduce_sum, barrier, device_for, init_process_group, resolve_env
 from .engine import build_ds_config, initialize, zero_stage
 from .evaluate import evaluate, headline, protocol_for
+from .export import export_checkpoint
 from .progress import Progress, peak_memory_mb
 from .resume import restore
 from .run_dir import RunDir, atomic_write_json, atomic_write_text
@@ -64,8 +66,6 @@ def git_commit() -> str:
 
 def check_run(cfg: RunConfig, world_size: int, device: torch.device) -> None:
     """Checks that need the world or the device, still before any engine exists."""
-    from data_pipeline.streams import rows_of_rank
-
     rows_of_rank(cfg.data.global_batch, 0, world_size)  # LayoutError with the numbers
     try:
         rows_of_rank(cfg.eval.batch or cfg.data.global_batch, 0, world_size)
@@ -81,7 +81,6 @@ def open_data(cfg: RunConfig, rank: int):
     model, before any engine exists."""
     path = Path(cfg.data.path)
     if cfg.data.generate and rank == 0 and not (path / "manifest.json").exists():
-        from data_pipeline.synthetic import write_repeat_corpus
         write_repeat_corpus(path, n_symbols=cfg.model.vocab_size, seed=cfg.data.seed)
     barrier()
     manifest = load_manifest(cfg.data.path)
@@ -349,7 +348,6 @@ class _Loop:
             self.save()
         self.final_reports()
         if env.is_main:
-            from .export import export_checkpoint
             out = export_checkpoint(ckpt.find_latest(self.ckpt_root), cfg.resolved_run_dir /
                                     "model.safetensors", cfg.model)
             print(f"exported {out}", flush=True)
