@@ -23,15 +23,15 @@ from pathlib import Path
 
 from train.run_dir import RunDir
 
+# The precision a GPU generation trains in when the overrides do not choose (cluster/layout.py).
+from .layout import job_precision
+
 # The options (one dataclass, also the `memtrain submit` flags) and their validation.
 from .options import ConfigError, SubmitOptions
 
 # The rank entry point as a file: DeepSpeed's slurm backend runs `python -u <script>` and
 # ignores --module (deepspeed/launcher/multinode_runner.py, SlurmRunner.get_cmd).
 TRAIN_SCRIPT = Path(__file__).resolve().parents[1] / "train" / "__main__.py"
-# Precision a GPU generation wants when the run config does not choose: V100s have no bf16,
-# so fp16 with dynamic loss scaling; A100/H100 train in bf16.
-PRECISION_FOR_GPU = {"v100": "fp16", "a100": "bf16", "h100": "bf16"}
 _PATH = re.compile(r"^[A-Za-z0-9_./\-+]+$")
 
 
@@ -72,8 +72,8 @@ def render(config_path: str | Path, overrides: list[str], run_dir: str | Path,
         sb.append(f"#SBATCH --array=0-{len(sweep) - 1}")
 
     overrides = list(overrides)
-    precision = PRECISION_FOR_GPU.get(opts.gpu_type.lower())
-    if precision and not any(o.startswith("deepspeed.precision=") for o in overrides):
+    precision, add = job_precision("", overrides, opts.gpu_type)
+    if add:
         overrides.append(f"deepspeed.precision={precision}")
     if sweep:
         # Each element: its own run directory (its own checkpoints, requeue and resume).

@@ -6,8 +6,10 @@
     memtrain submit --config quickstart --launcher deepspeed --gpus-per-node 0 \
         --tasks-per-node 2 --dry-run
 
-The run config is loaded and validated first (a bad field fails here, not on the cluster);
-the script is written to <run_dir>/submit-<time>.sbatch and stays usable with plain sbatch.
+The run config is loaded and validated first (a bad field fails here, not on the cluster),
+then the job's rank layout against it (cluster/layout.py: batches divisible by the ranks,
+one rank per GPU, a precision the GPU type has); the script is written to
+<run_dir>/submit-<time>.sbatch and stays usable with plain sbatch.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from train.config import ConfigError, load_config
 from train.run_dir import RunDir, atomic_write_json, atomic_write_text
 
 from .jobs import record_job
+from .layout import check_layout
 from .options import add_flags, from_args
 from .sbatch import render
 
@@ -42,7 +45,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _sweep(args, name: str, run_dir: Path) -> list[tuple[Path, list[str]]] | None:
+def _check_layout(cfg, overrides: list[str], opts) -> None:
+    """The job's rank layout against this run config (cluster/layout.py)."""
+    check_layout(cfg, overrides, nodes=opts.nodes, tasks_per_node=opts.ntasks_per_node,
+                 gpus_per_node=opts.gpus_per_node, gpu_type=opts.gpu_type)
+
+
+def _sweep(args, name: str, run_dir: Path, opts) -> list[tuple[Path, list[str]]] | None:
     """The grid of --sweep axes: per element its run directory and overrides. Every element
     is validated here, so a bad value fails before sbatch. Elements share one MLflow
     experiment (the base name) and, unless a tracking URI is set, one sqlite store in the
@@ -62,7 +71,9 @@ def _sweep(args, name: str, run_dir: Path) -> list[tuple[Path, list[str]]] | Non
     elements = []
     for i, combo in enumerate(itertools.product(*axes)):
         element = [*combo, f"name={name}-{i:02d}", *shared]
-        load_config(args.config, [*args.overrides, *element])  # fail here, not on the nodes
+        # Fail here, not on the nodes: the element's config and its rank layout.
+        _check_layout(load_config(args.config, [*args.overrides, *element]),
+                      [*args.overrides, *element], opts)
         elements.append((run_dir.parent / f"{name}-{i:02d}", element))
     return elements
 
@@ -72,10 +83,11 @@ def main_submit(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         run_dir = cfg.resolved_run_dir.absolute()
-        opts = from_args(args, job_name=cfg.name)
+        opts = from_args(args, job_name=cfg.name).validate()
+        _check_layout(cfg, args.overrides, opts)
         config_path = Path(args.config)
         config_path = config_path.absolute() if config_path.is_file() else args.config
-        sweep = _sweep(args, cfg.name, run_dir)
+        sweep = _sweep(args, cfg.name, run_dir, opts)
         script = render(config_path, args.overrides, run_dir, opts, sweep)
     except ConfigError as err:
         print(f"memtrain submit: {err}", file=sys.stderr)
