@@ -38,7 +38,7 @@ CURVES = ("loss", "valid_loss", "tokens_per_s", "peak_mem_mb")
 REPORTED = ("bpc", "ppl", "accuracy")
 # Memory-length sweeps: the MLflow step of these is the evaluation mem_len, not a train step.
 SWEEP = re.compile(r"^sweep_(?P<split>.+)_loss_tgt(?P<tgt>\d+)$")
-# One-off `memtrain eval` results (train/evaluation/cli.py names them this way).
+# One-off `memtrain eval` results (evaluation/cli.py names them this way).
 ONE_OFF = re.compile(r"^eval_(?P<split>.+)_m(?P<mem>-?\d+)_l(?P<tgt>\d+)_loss$")
 # Expected of a finished run; each one missing makes the run "incomplete" in the report.
 EXPECTED = {"loss": "training loss", "valid_loss": "validation loss",

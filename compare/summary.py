@@ -82,7 +82,7 @@ def param_tables(runs: list[RunData]) -> tuple[Table, Table]:
 
 # ---------------------------------------------------------------------------- protocols
 def describe_protocol(p: dict[str, str]) -> str:
-    """The words of EvalProtocol.describe (train/evaluation/evaluate.py), so that a report
+    """The words of EvalProtocol.describe (train/evaluate.py), so that a report
     reads like the training log, from the logged params; written out here because that
     module imports torch."""
     g = {f: p.get(f, "?") for f in PROTOCOL_FIELDS}

@@ -11,7 +11,7 @@ Three analyses, each one plot (PNG) with the plotted numbers beside it (JSON, sa
   (RMT Fig. 6), averaged over heads, plus the share of attention each block gives each block.
 
 The model records through `RelativeSelfAttention.attn_log` and `LaMemo.alpha_log`; recording
-does not change a forward's result. `memtrain analyze` (train/evaluation/analyze_cli.py)
+does not change a forward's result. `memtrain analyze` (evaluation/analyze_cli.py)
 runs this on a checkpoint. Layers are numbered from 1 in plots and JSON, as in the papers.
 """
 
