@@ -222,6 +222,16 @@ class WindowPlan:
             self.history.push(window.segments[-1], result.state_before_last)
         return result.state
 
+    def after_nonfinite(self) -> MemoryState | None:
+        """The memory to carry after a window whose loss was NaN/Inf (a step fp16 loss
+        scaling skips): none of what that window produced. Every row starts afresh, as at a
+        stream start: its output memory may hold the NaN/Inf, and the memory that entered
+        it (possibly the cause) is k+1 segments older than the next segment, so carrying it
+        would put a non-adjacent context at the wrong relative positions. The sliding
+        history goes too: its saved memories came from the same chain."""
+        self.history.clear()
+        return None
+
     def state_dict(self) -> dict:
         return self.history.state_dict()
 
@@ -237,3 +247,6 @@ class TrainState:
     tokens_seen: int = 0                 # counted training tokens, all ranks
     memory: MemoryState | None = None    # this rank's rows, carried between windows
     plan: WindowPlan | None = None       # the BPTT windows and their resumable state
+    # Windows in a row whose loss was non-finite (fp16): too many stop the run
+    # (optim.max_nonfinite_steps). Not checkpointed: a resumed run counts afresh.
+    nonfinite_in_a_row: int = 0

@@ -99,6 +99,10 @@ class OptimConfig:
     plateau_factor: float = 0.5
     plateau_patience: int = 8    # evaluations without improvement before the lr drops
     grad_clip: float = 0.25      # max global grad norm (XL code); 0 = off
+    # fp16: windows in a row with a NaN/Inf loss before the run stops (each one's step is
+    # skipped and its memory reset). 10 < the ~18 overflows in a row after which DeepSpeed's
+    # loss scaler aborts from 2^16 (train/engine.py), so this clear error comes first.
+    max_nonfinite_steps: int = 10
 
 
 @dataclass
@@ -227,6 +231,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(0 < o.plateau_factor < 1, "optim.plateau_factor", "must be in (0, 1)")
     _check(o.plateau_patience >= 0, "optim.plateau_patience", "must be >= 0")
     _check(o.grad_clip >= 0, "optim.grad_clip", f"must be >= 0, got {o.grad_clip}")
+    _check(o.max_nonfinite_steps >= 1, "optim.max_nonfinite_steps",
+           f"must be >= 1, got {o.max_nonfinite_steps}")
     if o.schedule == "plateau":
         _check(cfg.eval.every > 0, "eval.every", "the plateau schedule needs periodic "
                "validation (eval.every > 0)")

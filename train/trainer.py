@@ -214,9 +214,28 @@ class _Loop:
                 f"non-finite loss at step {self.state.step + 1} on {int(bad)} rank(s); "
                 "stopped before the update, so the last checkpoint is intact. Lower optim.lr, "
                 "check the data, or use fp16 loss scaling on GPUs")
+        # fp16: DeepSpeed skips the step (its gradients overflow), and nothing this window
+        # produced is carried on: every row's memory restarts below (after_nonfinite), on
+        # every rank alike since `bad` is all-reduced. A memory that held the NaN/Inf is then
+        # gone, so the next window is finite again; a run of non-finite windows despite
+        # fresh memory is an overflow loss scaling cannot cure (the scale multiplies the
+        # loss after it is computed): stop, rather than skip steps until DeepSpeed's loss
+        # scaler aborts at its minimum scale.
+        limit = self.cfg.optim.max_nonfinite_steps
+        self.state.nonfinite_in_a_row = self.state.nonfinite_in_a_row + 1 if bad else 0
+        if bad and self.state.nonfinite_in_a_row >= limit:
+            raise NonFiniteLoss(
+                f"{limit} non-finite losses in a row under fp16 loss scaling (the last at "
+                f"step {self.state.step + 1}), with every row's memory reset after each: the "
+                "forward overflows fp16 or the weights are broken. Stopped before the update; "
+                "DeepSpeed skipped those steps, so the last checkpoint is intact. Lower "
+                "optim.lr, check the data, train in bf16 (A100) or fp32, or raise "
+                "optim.max_nonfinite_steps")
         if bad:
-            warnings.warn(f"non-finite loss at step {self.state.step + 1}: fp16 loss scaling "
-                          "skips this step", stacklevel=2)
+            warnings.warn(f"non-finite loss at step {self.state.step + 1} on {int(bad)} "
+                          f"rank(s) ({self.state.nonfinite_in_a_row} in a row; the run stops "
+                          f"at {limit}): fp16 loss scaling skips this step and every row's "
+                          "memory is reset", stacklevel=2)
         self.engine.backward(res.loss)
         step, cfg = self.state.step + 1, self.cfg
         logs = step % cfg.log_every == 0 or step == cfg.max_steps
@@ -227,7 +246,8 @@ class _Loop:
             grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
             self.grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else None
         self.engine.step()
-        self.state.memory = self.state.plan.after_step(window, res)
+        self.state.memory = (self.state.plan.after_nonfinite() if bad else
+                             self.state.plan.after_step(window, res))
         return nll, n, bool(stop), int(new)
 
     # ------------------------------------------------------------------ checkpoints

@@ -1,0 +1,153 @@
+"""fp16 (V100) non-finite losses: the step is skipped by DeepSpeed's loss scaling, and the
+memory that window produced must not be carried on; a run of them stops the run clearly.
+
+The training loop's micro-step runs here on one process with the bare model behind a fake
+engine (DeepSpeed's fp16 skip is its business; what is tested is what the loop carries)."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from data_pipeline.streams import SegmentBatch
+from model import build_model
+from train.bptt import TrainState, WindowPlan
+from train.config import ConfigError, from_dict
+from train.trainer import NonFiniteLoss, _Loop
+
+B, L, V = 2, 4, 16
+
+
+class FakeEngine:
+    """The model behind the engine interface the loop uses. Forward calls listed in `poison`
+    (1-based) return an infinite NLL and a NaN memory, as an fp16 overflow would."""
+
+    def __init__(self, model, poison=()):
+        self.module, self.poison = model, set(poison)
+        self.calls = 0
+        self.entering = []       # the memory entering each forward
+        self.steps = 0
+
+    def __call__(self, tokens, state, **kw):
+        self.calls += 1
+        self.entering.append(state)
+        out = self.module(tokens, state, **kw)
+        if self.calls in self.poison:
+            out.nll = out.nll + float("inf")
+            out.state = out.state._map(lambda _, t: t.float().fill_(float("nan"))
+                                       if t.is_floating_point() else t)
+        return out
+
+    def backward(self, loss):
+        pass
+
+    def step(self):
+        self.steps += 1          # DeepSpeed would skip the update on overflow
+
+    def is_gradient_accumulation_boundary(self):
+        return True
+
+
+def make_loop(poison=(), mode="window", depth=0, limit=10, precision="fp16"):
+    cfg = from_dict({
+        "model": {"mechanism": "xl", "vocab_size": V, "n_layer": 2, "d_model": 16,
+                  "n_head": 2, "d_inner": 32, "tgt_len": L, "mem_len": 4, "dropout": 0.0},
+        "data": {"path": "unused", "global_batch": B},
+        "bptt": {"mode": mode, "depth": depth},
+        "optim": {"max_nonfinite_steps": limit}, "deepspeed": {"precision": precision},
+        "log_every": 1000, "max_steps": 1000})
+    torch.manual_seed(0)
+    engine = FakeEngine(build_model(cfg.model).eval(), poison)
+    loop = _Loop.__new__(_Loop)  # only what _micro_step reads
+    loop.cfg, loop.device, loop.engine, loop.stage = cfg, torch.device("cpu"), engine, 1
+    loop.fp16, loop.grad_norm = precision == "fp16", None
+    loop.signals = type("NoSignal", (), {"received": None})()
+    loop.state = TrainState(plan=WindowPlan(cfg.bptt, episodic=False))
+    return loop
+
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    t = 0
+    while True:
+        yield SegmentBatch(torch.randint(0, V, (B, L + 1), generator=g),
+                           torch.full((B,), t == 0), None, 0, t)
+        t += 1
+
+
+def finite_memory(state) -> bool:
+    return all(torch.isfinite(h).all() for h in state.hids)
+
+
+def test_a_non_finite_window_resets_the_memory_and_training_continues():
+    loop = make_loop(poison={3})
+    data = batches()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(6):
+            nll, n, _, _ = loop._micro_step(data)
+            loop.state.step += 1
+            assert math.isfinite(nll) == (step != 2), step
+    assert [str(w.message) for w in caught if "non-finite" in str(w.message)] == [
+        "non-finite loss at step 3 on 1 rank(s) (1 in a row; the run stops at 10): fp16 "
+        "loss scaling skips this step and every row's memory is reset"]
+    entering = loop.engine.entering
+    assert entering[3] is None                 # the window after the bad one starts afresh
+    assert finite_memory(entering[4]) and finite_memory(loop.state.memory)
+    assert loop.state.nonfinite_in_a_row == 0 and loop.engine.steps == 6
+
+
+def test_the_sliding_history_of_a_non_finite_window_is_dropped():
+    loop = make_loop(poison={5}, mode="sliding", depth=2)   # window 3 = calls 4, 5, 6
+    data = batches()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            loop._micro_step(data)
+            loop.state.step += 1
+    assert loop.state.memory is None and len(loop.state.plan.history.items) == 0
+    loop._micro_step(data)                    # a 1-segment window from fresh memory
+    assert loop.engine.entering[-1] is None and loop.engine.calls == 7
+    assert finite_memory(loop.state.memory) and len(loop.state.plan.history.items) == 1
+
+
+def test_n_non_finite_windows_in_a_row_stop_with_a_clear_error():
+    loop = make_loop(poison=set(range(2, 100)), limit=4)
+    data = batches()
+    loop._micro_step(data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            loop.state.step += 1
+            loop._micro_step(data)
+        assert loop.state.nonfinite_in_a_row == 3
+        loop.state.step += 1
+        with pytest.raises(NonFiniteLoss, match=r"4 non-finite losses in a row under fp16 "
+                           r"loss scaling \(the last at step 5\).*optim.max_nonfinite_steps"):
+            loop._micro_step(data)
+    assert loop.engine.steps == 4              # stopped before the 5th update
+
+
+def test_a_finite_window_between_bad_ones_restarts_the_count():
+    loop = make_loop(poison={2, 3, 5, 6}, limit=3)
+    data = batches()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(7):
+            loop._micro_step(data)
+            loop.state.step += 1
+    assert loop.state.nonfinite_in_a_row == 0
+
+
+def test_fp32_still_stops_at_the_first_non_finite_loss():
+    loop = make_loop(poison={2}, precision="fp32")
+    data = batches()
+    loop._micro_step(data)
+    with pytest.raises(NonFiniteLoss, match="non-finite loss at step 1 on 1 rank"):
+        loop._micro_step(data)
+
+
+def test_max_nonfinite_steps_must_be_positive():
+    with pytest.raises(ConfigError, match="optim.max_nonfinite_steps"):
+        make_loop(limit=0)
