@@ -62,10 +62,13 @@ def _tag(step: int) -> str:
 
 
 def rng_state() -> dict:
+    """This rank's RNG states: CPU, numpy, Python, and the CUDA generator of its own device
+    only (a rank draws on no other GPU; saving every visible GPU's would tie the checkpoint
+    to the number of GPUs the node showed)."""
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
              "python": random.getstate()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()   # the current device (device_for)
     return state
 
 
@@ -73,8 +76,17 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if cuda is None or not torch.cuda.is_available():
+        return
+    if isinstance(cuda, (list, tuple)):
+        # Saved by earlier versions: one state per GPU the node showed, of which the rank
+        # drew on cuda:LOCAL_RANK. Take that one whatever this node shows.
+        local = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+        if local >= len(cuda):
+            return
+        cuda = cuda[local]
+    torch.cuda.set_rng_state(cuda)             # the current device
 
 
 def save(engine, root: Path, step: int, rank: int, rank_payload: dict, meta: dict,

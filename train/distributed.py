@@ -96,13 +96,76 @@ def resolve_env(environ: dict | None = None) -> DistEnv:
     return DistEnv(rank, world, local, addr, port, launcher)
 
 
-def device_for(local_rank: int) -> torch.device:
+def gpu_index(local_rank: int, visible: int) -> int:
+    """The CUDA device of a rank among the `visible` ones (CUDA_VISIBLE_DEVICES): the one
+    visible GPU when the site binds one per task (`--gpus-per-task=1`), else the local rank's
+    (every GPU of the node visible). A local rank beyond the visible GPUs would share one."""
+    if visible == 1:
+        return 0
+    if local_rank < visible:
+        return local_rank
+    from model.typed import ConfigError
+
+    raise ConfigError("--tasks-per-node", f"local rank {local_rank} sees only {visible} GPUs "
+                      f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')!r}), "
+                      f"so it would share cuda:{local_rank % visible} with local rank "
+                      f"{local_rank % visible}: run one rank per GPU (--tasks-per-node = "
+                      "--gpus-per-node) or bind one GPU per task (--gpus-per-task=1)")
+
+
+def shared_gpus(owners: list[tuple[str, str]]) -> dict[tuple[str, str], list[int]]:
+    """{(host, GPU id): ranks} for every GPU that more than one rank uses, from each rank's
+    (host, GPU id) in rank order."""
+    users: dict[tuple[str, str], list[int]] = {}
+    for rank, owner in enumerate(owners):
+        users.setdefault(tuple(owner), []).append(rank)
+    return {gpu: ranks for gpu, ranks in users.items() if len(ranks) > 1}
+
+
+def _gpu_id(index: int) -> str:
+    """A GPU's identity across processes: its UUID (the same whatever CUDA_VISIBLE_DEVICES
+    renumbers), else its PCI bus id, else the visible list and the index."""
     import torch
 
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
+    props = torch.cuda.get_device_properties(index)
+    for attr in ("uuid", "pci_bus_id"):
+        value = getattr(props, attr, None)
+        if value is not None:
+            return str(value)
+    return f"{os.environ.get('CUDA_VISIBLE_DEVICES', '')}#{index}"
+
+
+def _refuse_shared_gpu(index: int) -> None:
+    """Collective once the process group exists: every rank gathers the (host, GPU) of all
+    and all refuse alike when two use one GPU (e.g. --gres=gpu:1 with 2 tasks per node)."""
+    import torch
+
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    owners: list = [None] * dist.get_world_size()
+    dist.all_gather_object(owners, (socket.gethostname(), _gpu_id(index)))
+    shared = shared_gpus(owners)
+    if shared:
+        from model.typed import ConfigError
+
+        (host, gpu), ranks = next(iter(shared.items()))
+        raise ConfigError("--tasks-per-node", f"ranks {ranks} all use GPU {gpu} on {host}: "
+                          "one rank per GPU (--tasks-per-node = --gpus-per-node), or one GPU "
+                          "per task (--gpus-per-task=1)")
+
+
+def device_for(local_rank: int) -> torch.device:
+    """This rank's device: a CUDA device of its own (gpu_index; checked against the other
+    ranks when the process group exists), else the CPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    index = gpu_index(local_rank, torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    _refuse_shared_gpu(index)
+    return torch.device("cuda", index)
 
 
 def init_process_group(env: DistEnv) -> None:

@@ -1,0 +1,137 @@
+"""Which GPU a rank takes, simulated on the CPU with a fake torch.cuda: the single visible
+GPU when the site binds one per task (CUDA_VISIBLE_DEVICES of length 1), cuda:LOCAL_RANK
+when the whole node is visible, a clear error when two ranks would share one; and the CUDA
+RNG of a checkpoint is the rank's own device's, so a checkpoint saved where a node showed
+8 GPUs resumes where it shows 1."""
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from train import checkpoint as ckpt
+from train import distributed
+from train.config import ConfigError
+
+
+class FakeCuda:
+    """torch.cuda as a node showing `count` GPUs: set_device and the RNG calls fail like
+    CUDA's "invalid device ordinal" for an index outside the visible ones."""
+
+    def __init__(self, count: int, uuids: list[str] | None = None):
+        self.count, self.current = count, 0
+        self.uuids = uuids or [f"GPU-{i:04d}" for i in range(count)]
+        self.states = {i: torch.full((16,), i, dtype=torch.uint8) for i in range(count)}
+
+    def _check(self, index):
+        if not 0 <= index < self.count:
+            raise RuntimeError("CUDA error: invalid device ordinal")
+
+    def set_device(self, index):
+        self._check(int(index))
+        self.current = int(index)
+
+    def get_device_properties(self, index):
+        self._check(index)
+        return SimpleNamespace(uuid=self.uuids[index])
+
+    def get_rng_state(self, device="cuda"):
+        return self.states[self.current].clone()
+
+    def set_rng_state(self, state, device="cuda"):
+        index = device if isinstance(device, int) else self.current
+        self._check(index)
+        self.states[index] = state.clone()
+
+    def get_rng_state_all(self):
+        return [self.states[i].clone() for i in range(self.count)]
+
+    def set_rng_state_all(self, states):
+        for i, state in enumerate(states):     # what torch.cuda does: one device each
+            self.set_rng_state(state, i)
+
+    def install(self, monkeypatch):
+        for name in ("set_device", "get_device_properties", "get_rng_state", "set_rng_state",
+                     "get_rng_state_all", "set_rng_state_all"):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: self.count)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: self.current)
+        return self
+
+
+def test_one_gpu_per_task_takes_the_single_visible_gpu(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")      # --gpus-per-task=1, local rank 5
+    cuda = FakeCuda(1).install(monkeypatch)
+    assert distributed.device_for(5) == torch.device("cuda", 0)
+    assert cuda.current == 0
+
+
+def test_a_whole_visible_node_gives_each_local_rank_its_own_gpu(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    cuda = FakeCuda(8).install(monkeypatch)
+    assert distributed.device_for(5) == torch.device("cuda", 5) and cuda.current == 5
+
+
+def test_a_local_rank_beyond_the_visible_gpus_is_refused_with_the_fix(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    FakeCuda(2).install(monkeypatch)
+    with pytest.raises(ConfigError) as err:
+        distributed.device_for(3)
+    assert "would share cuda:1 with local rank 1" in str(err.value)
+    assert "--gpus-per-task=1" in str(err.value)
+
+
+def _fake_world(monkeypatch, owners):
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: len(owners))
+
+    def gather(out, _mine):
+        out[:] = owners
+    monkeypatch.setattr(torch.distributed, "all_gather_object", gather)
+
+
+def test_two_ranks_on_one_physical_gpu_are_refused(monkeypatch):
+    """--gres=gpu:1 with 2 tasks per node: both see CUDA_VISIBLE_DEVICES=0, both pick cuda:0."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    FakeCuda(1, ["GPU-aaaa"]).install(monkeypatch)
+    _fake_world(monkeypatch, [("n1", "GPU-aaaa"), ("n1", "GPU-aaaa"), ("n2", "GPU-aaaa")])
+    with pytest.raises(ConfigError) as err:
+        distributed.device_for(1)
+    assert "ranks [0, 1] all use GPU GPU-aaaa on n1" in str(err.value)
+    # Bound one per task, the GPUs differ: nothing to refuse (same UUID on another host too).
+    _fake_world(monkeypatch, [("n1", "GPU-aaaa"), ("n1", "GPU-bbbb"), ("n2", "GPU-aaaa")])
+    assert distributed.device_for(1) == torch.device("cuda", 0)
+
+
+def test_only_the_current_devices_cuda_rng_is_saved_and_restored(monkeypatch):
+    cuda = FakeCuda(8).install(monkeypatch)
+    cuda.set_device(5)
+    state = ckpt.rng_state()
+    assert torch.equal(state["cuda"], cuda.states[5])      # one tensor, not 8
+    # Resumed on a node that shows this rank only its own GPU.
+    one = FakeCuda(1).install(monkeypatch)
+    ckpt.set_rng_state(state)
+    assert torch.equal(one.states[0], torch.full((16,), 5, dtype=torch.uint8))
+
+
+def test_a_checkpoint_with_every_visible_gpus_rng_resumes_where_one_is_visible(monkeypatch):
+    """Checkpoints of earlier versions hold torch.cuda.get_rng_state_all() of 8 GPUs."""
+    legacy = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+              "python": random.getstate(),
+              "cuda": [torch.full((16,), 10 + i, dtype=torch.uint8) for i in range(8)]}
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    one = FakeCuda(1).install(monkeypatch)
+    ckpt.set_rng_state(legacy)                               # no invalid device ordinal
+    assert torch.equal(one.states[0], legacy["cuda"][3])    # the GPU local rank 3 drew on
+
+
+def test_cpu_rng_states_still_restore_exactly():
+    state = ckpt.rng_state()
+    before = (torch.rand(5), np.random.rand(3), random.random())
+    ckpt.set_rng_state(state)
+    after = (torch.rand(5), np.random.rand(3), random.random())
+    assert torch.equal(before[0], after[0]) and np.array_equal(before[1], after[1])
+    assert before[2] == after[2]
