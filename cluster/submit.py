@@ -8,7 +8,8 @@
 
 The run config is loaded and validated first (a bad field fails here, not on the cluster),
 then the job's rank layout against it (cluster/layout.py: batches divisible by the ranks,
-one rank per GPU, a precision the GPU type has); the script is written to
+one rank per GPU, a precision the GPU type has) and, for a GPU job, the torch of --python
+(cluster/torch_check.py: a CUDA build with kernels for the GPU type); the script is written to
 <run_dir>/submit-<time>.sbatch and stays usable with plain sbatch.
 """
 
@@ -25,6 +26,7 @@ from pathlib import Path
 from train.config import ConfigError, load_config
 from train.run_dir import RunDir, atomic_write_json, atomic_write_text
 
+from . import torch_check
 from .jobs import record_job
 from .layout import check_layout
 from .options import add_flags, from_args
@@ -42,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="a grid axis (repeat for more axes): one job array element per "
                         "combination, each its own run and MLflow run in one experiment")
     p.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
+    p.add_argument("--skip-torch-check", action="store_true",
+                   help="do not ask --python whether its torch has kernels for the GPUs "
+                        "(cluster/torch_check.py)")
     return p
 
 
@@ -49,6 +54,17 @@ def _check_layout(cfg, overrides: list[str], opts) -> None:
     """The job's rank layout against this run config (cluster/layout.py)."""
     check_layout(cfg, overrides, nodes=opts.nodes, tasks_per_node=opts.ntasks_per_node,
                  gpus_per_node=opts.gpus_per_node, gpu_type=opts.gpu_type)
+
+
+def _check_torch(opts) -> None:
+    """The torch of the nodes' python has CUDA and kernels for the GPU type."""
+    info = torch_check.probe(opts.python)
+    if info is None:
+        print(f"memtrain submit: warning: could not run {opts.python} here to check its torch "
+              "for the GPUs", file=sys.stderr)
+    problem = torch_check.torch_problem(info, opts.python, opts.gpus_per_node, opts.gpu_type)
+    if problem:
+        raise ConfigError("--python", problem)
 
 
 def _sweep(args, name: str, run_dir: Path, opts) -> list[tuple[Path, list[str]]] | None:
@@ -85,6 +101,8 @@ def main_submit(argv: list[str] | None = None) -> int:
         run_dir = cfg.resolved_run_dir.absolute()
         opts = from_args(args, job_name=cfg.name).validate()
         _check_layout(cfg, args.overrides, opts)
+        if opts.gpus_per_node and not args.skip_torch_check:
+            _check_torch(opts)
         config_path = Path(args.config)
         config_path = config_path.absolute() if config_path.is_file() else args.config
         sweep = _sweep(args, cfg.name, run_dir, opts)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cluster import torch_check
 from cluster.layout import check_layout, default_precision, gpu_capability
 from cluster.submit import main_submit
 from data_pipeline.streams import LayoutError
@@ -18,6 +19,15 @@ from train.trainer import check_run
 ROOT = Path(__file__).resolve().parents[1]
 PAPER_CONFIGS = ["enwik8-xl-base", "enwik8-lamemo-base", "wt103-xl-base", "wt103-rmt",
                  "copy-rmt"]
+
+
+@pytest.fixture(autouse=True)
+def cuda_torch(monkeypatch):
+    """The nodes' python has a CUDA 12.6 torch (this venv's is the CPU build, which a GPU
+    submit refuses: tests/test_cluster_torch.py)."""
+    monkeypatch.setattr(torch_check, "probe", lambda python: {
+        "version": "2.13.0+cu126", "cuda": "12.6",
+        "archs": ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]})
 
 
 def _submit(capsys, *argv):

@@ -96,6 +96,50 @@ def resolve_env(environ: dict | None = None) -> DistEnv:
     return DistEnv(rank, world, local, addr, port, launcher)
 
 
+# What shows that the job gave this process GPUs: SLURM's gres allocation, or a launcher's
+# binding. A CPU-only torch (or a CUDA build that sees no GPU) under any of them would make
+# the ranks train on the CPU over gloo without a word, so that is refused at start.
+GPU_VARIABLES = ("SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS",
+                 "CUDA_VISIBLE_DEVICES")
+_NO_GPU = ("", "-1", "NoDevFiles", "none", "void")
+
+
+def allocated_gpus(environ: dict | None = None) -> str | None:
+    """`NAME=value` of the first variable that gives this process GPUs, None if none does."""
+    env = os.environ if environ is None else environ
+    for name in GPU_VARIABLES:
+        value = env.get(name, "").strip()
+        if name == "SLURM_GPUS_ON_NODE":     # a count
+            if value.isdigit() and int(value) > 0:
+                return f"{name}={value}"
+        elif value not in _NO_GPU:          # GPU indices or UUIDs
+            return f"{name}={value}"
+    return None
+
+
+def require_cuda_if_allocated(environ: dict | None = None) -> None:
+    """Refuse to start on the CPU when the job has GPUs (MEMTRAIN_ALLOW_CPU=1 allows it)."""
+    import torch
+
+    env = os.environ if environ is None else environ
+    given = allocated_gpus(env)
+    if not given or env.get("MEMTRAIN_ALLOW_CPU") == "1" or torch.cuda.is_available():
+        return
+    from model.typed import ConfigError
+
+    if torch.version.cuda:
+        why = (f"torch {torch.__version__} is a CUDA {torch.version.cuda} build that sees no "
+               "GPU: check `nvidia-smi` on the node, the driver and the job's module loads")
+    else:
+        why = (f"torch {torch.__version__} in {sys.executable} is a CPU-only build: install "
+               "the CUDA wheel for these GPUs into the venv the nodes use, e.g. "
+               "PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cu126 "
+               "TORCH_SPEC=torch==2.13.0+cu126 bash scripts/setup.sh (cu126 is the wheel "
+               "that still has V100 kernels; docs/cluster.md)")
+    raise ConfigError("torch", f"the job has GPUs ({given}) but {why}. Without CUDA the ranks "
+                      "would train on the CPU; MEMTRAIN_ALLOW_CPU=1 does that on purpose")
+
+
 def gpu_index(local_rank: int, visible: int) -> int:
     """The CUDA device of a rank among the `visible` ones (CUDA_VISIBLE_DEVICES): the one
     visible GPU when the site binds one per task (`--gpus-per-task=1`), else the local rank's
@@ -160,6 +204,7 @@ def device_for(local_rank: int) -> torch.device:
     ranks when the process group exists), else the CPU."""
     import torch
 
+    require_cuda_if_allocated()
     if not torch.cuda.is_available():
         return torch.device("cpu")
     index = gpu_index(local_rank, torch.cuda.device_count())
@@ -178,6 +223,7 @@ def init_process_group(env: DistEnv) -> None:
     import deepspeed
     import torch
 
+    require_cuda_if_allocated()   # gloo on the CPU only when the job has no GPUs
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
                                verbose=False)
