@@ -161,6 +161,13 @@ def _reset_length(length: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask.to(length.device), torch.zeros_like(length), length)
 
 
+def _zero_rows(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """t [B, ...] with the rows where mask [B] is True set to 0 (torch.where, so NaN/Inf in
+    those rows are replaced, not multiplied)."""
+    m = mask.to(t.device).view(-1, *([1] * (t.dim() - 1)))
+    return torch.where(m, torch.zeros((), dtype=t.dtype, device=t.device), t)
+
+
 @_register
 @dataclass
 class XLMemory(MemoryState):
@@ -179,7 +186,12 @@ class XLMemory(MemoryState):
         return int(self.hids[0].shape[1]) if self.hids else 0
 
     def reset_rows(self, mask: torch.Tensor) -> XLMemory:
-        return XLMemory(hids=list(self.hids), length=_reset_length(self.length, mask))
+        # The cached inputs of a reset row are zeroed, not only its length: its keys are
+        # masked, but a masked key still enters softmax(A) V with probability 0, and
+        # 0 * NaN = NaN, so a NaN/Inf left in the cache (an fp16 overflow) would poison the
+        # row for as long as the entry stays in the FIFO.
+        return XLMemory(hids=[_zero_rows(h, mask) for h in self.hids],
+                        length=_reset_length(self.length, mask))
 
     def appended(self, layer_inputs: list[torch.Tensor], mem_len: int) -> XLMemory:
         """FIFO update m_{τ+1}^l = SG([m_τ^l ∘ h_τ^l])[-M:] for every layer (Transformer-XL
@@ -210,12 +222,14 @@ class LaMemoMemory(MemoryState):
 
     def reset_rows(self, mask: torch.Tensor) -> LaMemoMemory:
         # Invalid entries must stay finite: masked keys get probability 0, and 0 * NaN is NaN.
-        # log_norm = -inf makes α = 0 for them, C = 0 keeps every product finite.
+        # log_norm = -inf makes α = 0 for them, C = 0 keeps every product finite, and the
+        # cached embeddings are zeroed too: every layer's memory keys and values, and the
+        # look-ahead queries of the memory rows, are recomputed from them (Eq. 7-9).
         m = mask.to(self.length.device)
         ctx = [torch.where(m[:, None, None, None], torch.zeros_like(c), c) for c in self.context]
         lns = [torch.where(m[:, None, None], torch.full_like(s, float("-inf")), s)
                for s in self.log_norm]
-        return LaMemoMemory(emb=self.emb, context=ctx, log_norm=lns,
+        return LaMemoMemory(emb=_zero_rows(self.emb, mask), context=ctx, log_norm=lns,
                             length=_reset_length(self.length, mask))
 
 
