@@ -123,19 +123,29 @@ def relative_attention(
     qh = q.transpose(1, 2)  # [B, H, Q, dh]
     kh = k.transpose(1, 2)
     vh = v.transpose(1, 2)
+    # The 1/sqrt(d_head) scale (Vaswani et al. 2017 §3.2.1; XL §3.3 keeps it) is applied to
+    # the query side BEFORE each matmul: the same scores, but in fp16 (V100) the unscaled
+    # products (q+u)^T k and (q+v)^T W R can exceed 65504 and become inf before any later
+    # scaling could bring them back, while the scaled ones are sqrt(d_head) times smaller.
     # (b) + (d): one matmul against the distance list, then the skew picks R_{i-j}.
-    bd = skew(torch.matmul(qh + v_bias[:, None, :], r.permute(1, 2, 0)), n_k, skew_start)
+    bd = skew(torch.matmul((qh + v_bias[:, None, :]) * scale, r.permute(1, 2, 0)), n_k,
+              skew_start)
     mask = allowed[:, None] if allowed.dim() == 3 else allowed  # [B|1, 1, Q, K]
 
     if impl == "fused" and not need_lse and probs is None:
-        bias = (bd * scale).masked_fill(~mask, float("-inf"))
+        bias = bd.masked_fill(~mask, float("-inf"))
+        # The content term's scale stays inside the kernel (fp32 accumulation in the GPU
+        # kernels; the math fallback splits it over q and k before its matmul).
         out = F.scaled_dot_product_attention(qh + u_bias[:, None, :], kh, vh, attn_mask=bias,
                                              dropout_p=dropatt, scale=scale)
         return out.transpose(1, 2), None
 
-    # (a) + (c): content addressing plus the global content bias u.
-    ac = torch.matmul(qh + u_bias[:, None, :], kh.transpose(-1, -2))
-    scores = ((ac + bd) * scale).masked_fill(~mask, float("-inf"))
+    # (a) + (c): content addressing plus the global content bias u. The two terms are
+    # added in at least float32 (the softmax below runs in float32 anyway): two large fp16
+    # terms must not overflow in their sum either.
+    ac = torch.matmul((qh + u_bias[:, None, :]) * scale, kh.transpose(-1, -2))
+    ac = ac.to(torch.promote_types(ac.dtype, torch.float32))
+    scores = (ac + bd).masked_fill(~mask, float("-inf"))
     lse = None
     if need_lse:
         # Kept in float32: the LaMemo state stores log-normalisers so that fp16/bf16
