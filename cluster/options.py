@@ -26,6 +26,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 _CONSTRAINT = re.compile(r"^[A-Za-z0-9_.\-&|\[\]*:()]{1,128}$")
 _TIME = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")          # MM, H:MM:SS, D-HH:MM:SS
 _MEM = re.compile(r"^\d+[KMGT]?$")
+MEM_AUTO = "auto"
 _GPU_TYPE = re.compile(r"^[A-Za-z0-9_\-]{1,32}$")
 
 
@@ -54,7 +55,12 @@ class SubmitOptions:
     constraint: str = _option("", "node features, e.g. 'a100&ib'")
     cpus_per_task: int = _option(8, "CPU cores per rank")
     tasks_per_node: int = _option(0, "ranks per node (default: one per GPU, 1 for a CPU job)")
-    mem: str = _option("", "memory per node, e.g. 480G")
+    # A GPU rank holds pinned host buffers, the data prefetch and (ZeRO offload) optimizer
+    # state; a site's DefMemPerCPU is often a few GB per core, and an OOM kill reads as a
+    # crash. A GPU job takes its nodes' memory (SLURM's --mem=0) unless told a size.
+    mem: str = _option(MEM_AUTO, "memory per node: a size (e.g. 480G), 0 = all of each "
+                                 "node's memory, or auto (default): 0 for a GPU job, the "
+                                 "site's default for a CPU job")
     exclusive: bool = _option(False, "whole nodes, shared with no other job")
     gpu_type: str = _option("", "e.g. v100, a100 (in --gres=gpu:<type>:<n>; v100 trains in "
                                 "fp16, a100/h100 in bf16 unless the overrides choose)")
@@ -90,8 +96,8 @@ class SubmitOptions:
                  f"{value!r}: only letters, digits, '_', '.', '-' are allowed")
         need(not self.constraint or bool(_CONSTRAINT.match(self.constraint)), "constraint",
              f"{self.constraint!r} is not a SLURM feature expression")
-        need(not self.mem or bool(_MEM.match(self.mem)), "mem",
-             f"{self.mem!r} is not a SLURM memory size (e.g. 64G)")
+        need(self.mem in ("", MEM_AUTO) or bool(_MEM.match(self.mem)), "mem",
+             f"{self.mem!r} is not a SLURM memory size (e.g. 64G, or 0: all of it)")
         need(not self.gpu_type or bool(_GPU_TYPE.match(self.gpu_type)), "gpu_type",
              f"{self.gpu_type!r} is not a GPU type name")
         need(self.launcher in LAUNCHERS, "launcher", f"choose {' or '.join(LAUNCHERS)}")
@@ -108,6 +114,13 @@ class SubmitOptions:
     @property
     def ntasks_per_node(self) -> int:
         return self.tasks_per_node or max(1, self.gpus_per_node)
+
+    @property
+    def mem_per_node(self) -> str:
+        """The #SBATCH --mem value, "" for none (the site's default)."""
+        if self.mem == MEM_AUTO:
+            return "0" if self.gpus_per_node else ""
+        return self.mem
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:

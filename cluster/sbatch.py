@@ -62,9 +62,11 @@ def render(config_path: str | Path, overrides: list[str], run_dir: str | Path,
         gres = f"gpu:{opts.gpu_type}:{opts.gpus_per_node}" if opts.gpu_type \
             else f"gpu:{opts.gpus_per_node}"
         sb.append(f"#SBATCH --gres={gres}")
-    for name in ("partition", "account", "qos", "constraint", "mem"):
+    for name in ("partition", "account", "qos", "constraint"):
         if getattr(opts, name):
             sb.append(f"#SBATCH --{name}={getattr(opts, name)}")
+    if opts.mem_per_node:
+        sb.append(f"#SBATCH --mem={opts.mem_per_node}")
     if opts.exclusive:
         sb.append("#SBATCH --exclusive")
     if sweep:
@@ -102,6 +104,9 @@ def render(config_path: str | Path, overrides: list[str], run_dir: str | Path,
     lines = ["#!/bin/bash", "# Written by `memtrain submit`; plain sbatch runs it as it is.",
              *sb, "", "set -euo pipefail",
              *[_setup_line(s) for s in opts.setup],
+             "# srun does not inherit the job's --cpus-per-task since SLURM 22.05: without",
+             "# this every rank's step would get one CPU.",
+             "export SRUN_CPUS_PER_TASK=\"$SLURM_CPUS_PER_TASK\"",
              "export MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n1)",
              "# The job's port from $SLURM_JOB_ID, as the ranks compute it (train/distributed.py).",
              f"export MASTER_PORT=$({py} -m train.distributed master-port)",
@@ -139,7 +144,15 @@ def _deepspeed_launch(opts: SubmitOptions, train_args: str) -> list[str]:
                f"--num_nodes={opts.nodes}", "--launcher_args=--kill-on-bad-exit=1"]
     if opts.gpus_per_node:
         options.append(f"--num_gpus={opts.gpus_per_node}")
-    return [f"HOSTFILE=\"{RunDir('$RUN_DIR').hostfile('$SLURM_JOB_ID')}\"",
+    return ["# DeepSpeed's slurm backend repeats the NCCL*, UCX*, PYTHON*, MLFLOW* and MV2*",
+            "# variables in srun's --export=ALL,NAME=value,... list, which srun splits at commas",
+            "# (NCCL_IB_HCA=mlx5_0,mlx5_1 would arrive as mlx5_0). Values with a comma go to a",
+            "# file instead, loaded by every rank at start (train/distributed.py).",
+            "mkdir -p \"$RUN_DIR\"",
+            f"export MEMTRAIN_ENV_FILE=\"{RunDir('$RUN_DIR').env_file('$SLURM_JOB_ID')}\"",
+            f"UNSET=$({q(opts.python)} -m train.distributed stash-env \"$MEMTRAIN_ENV_FILE\")",
+            "eval \"$UNSET\"",
+            f"HOSTFILE=\"{RunDir('$RUN_DIR').hostfile('$SLURM_JOB_ID')}\"",
             "scontrol show hostnames \"$SLURM_JOB_NODELIST\" | "
             f"sed 's/$/ slots={opts.ntasks_per_node}/' > \"$HOSTFILE\"",
             f"{q(opts.python)} -m deepspeed.launcher.runner --hostfile \"$HOSTFILE\" "

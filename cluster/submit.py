@@ -23,8 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-from train.config import ConfigError, load_config
-from train.run_dir import RunDir, atomic_write_json, atomic_write_text
+from train.config import ConfigError, load_config, resolve_path
+from train.run_dir import RunDir, atomic_write_json, atomic_write_text, sqlite_uri
 
 from . import torch_check
 from .jobs import record_job
@@ -54,6 +54,23 @@ def _check_layout(cfg, overrides: list[str], opts) -> None:
     """The job's rank layout against this run config (cluster/layout.py)."""
     check_layout(cfg, overrides, nodes=opts.nodes, tasks_per_node=opts.ntasks_per_node,
                  gpus_per_node=opts.gpus_per_node, gpu_type=opts.gpu_type)
+
+
+def absolute_paths(cfg) -> list[str]:
+    """Overrides that pin the run config's relative paths to the directory `memtrain submit`
+    ran in (what a local run there would use), so that the job does not depend on the
+    directory sbatch starts it in: data.path, deepspeed.config, a sqlite tracking.uri. URLs
+    and url_template are left as they are."""
+    out = []
+    data = cfg.data.path
+    if "://" not in data and not data.startswith("pipe:") and not os.path.isabs(data):
+        out.append(f"data.path={os.path.abspath(data)}")
+    if not os.path.isabs(cfg.deepspeed.config):
+        out.append(f"deepspeed.config={os.path.abspath(resolve_path(cfg.deepspeed.config))}")
+    uri, sqlite = cfg.tracking.uri, "sqlite:///"
+    if uri.startswith(sqlite) and not os.path.isabs(uri[len(sqlite):]):
+        out.append(f"tracking.uri={sqlite_uri(os.path.abspath(uri[len(sqlite):]))}")
+    return out
 
 
 def _check_torch(opts) -> None:
@@ -88,8 +105,9 @@ def _sweep(args, name: str, run_dir: Path, opts) -> list[tuple[Path, list[str]]]
     for i, combo in enumerate(itertools.product(*axes)):
         element = [*combo, f"name={name}-{i:02d}", *shared]
         # Fail here, not on the nodes: the element's config and its rank layout.
-        _check_layout(load_config(args.config, [*args.overrides, *element]),
-                      [*args.overrides, *element], opts)
+        cfg = load_config(args.config, [*args.overrides, *element])
+        _check_layout(cfg, [*args.overrides, *element], opts)
+        element += absolute_paths(cfg)   # after the element's own values, which may be paths
         elements.append((run_dir.parent / f"{name}-{i:02d}", element))
     return elements
 
@@ -106,7 +124,8 @@ def main_submit(argv: list[str] | None = None) -> int:
         config_path = Path(args.config)
         config_path = config_path.absolute() if config_path.is_file() else args.config
         sweep = _sweep(args, cfg.name, run_dir, opts)
-        script = render(config_path, args.overrides, run_dir, opts, sweep)
+        script = render(config_path, [*args.overrides, *absolute_paths(cfg)], run_dir, opts,
+                        sweep)
     except ConfigError as err:
         print(f"memtrain submit: {err}", file=sys.stderr)
         return 2

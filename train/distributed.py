@@ -10,11 +10,14 @@ Everything ends up in the standard variables, which is what `deepspeed.init_dist
 `python -m train.distributed master-port` prints the port of the SLURM job in
 $SLURM_JOB_ID: the sbatch script exports it, so the script (the deepspeed launcher's
 --master_port) and ranks started by a bare srun use the one formula, `slurm_master_port`.
+`python -m train.distributed stash-env FILE` keeps comma-valued variables (NCCL_IB_HCA=a,b)
+away from srun's --export list on the DeepSpeed launcher path; resolve_env loads them back.
 torch is imported where it is used, so that command starts in a fraction of a second.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -47,10 +50,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# Rendezvous ports of SLURM jobs: below Linux's ephemeral range (32768-60999, the default
+# net.ipv4.ip_local_port_range), from which the kernel picks the local port of every outgoing
+# connection (NCCL's and gloo's sockets among them), so that no connection of another job on
+# the node can hold the port when the master binds it; below torchrun's 29500 too.
+MASTER_PORT_BASE, MASTER_PORT_SPAN = 10000, 10000
+
+
 def slurm_master_port(job_id: int) -> int:
     """The rendezvous port of a SLURM job: every task computes the same one from the job id,
     with no communication, and jobs sharing a node get different ones."""
-    return 20000 + int(job_id) % 20000
+    return MASTER_PORT_BASE + int(job_id) % MASTER_PORT_SPAN
 
 
 def first_slurm_host(nodelist: str) -> str:
@@ -70,9 +80,40 @@ def first_slurm_host(nodelist: str) -> str:
     return head
 
 
+# The prefixes of the variables DeepSpeed's launcher repeats in srun's --export list
+# (deepspeed/launcher/runner.py: EXPORT_ENVS, plus the CUDA accelerator's export_envs()).
+DEEPSPEED_EXPORTS = ("NCCL", "MLFLOW", "PYTHON", "MV2", "UCX")
+ENV_FILE = "MEMTRAIN_ENV_FILE"
+
+
+def stash_env(path: str | Path, environ: dict | None = None) -> list[str]:
+    """Write the variables DeepSpeed would pass through srun --export and whose value holds a
+    comma (srun would cut it there) to `path` as JSON; return their names, which the sbatch
+    script then unsets so that the launcher never sees them. Ranks load the file
+    (load_env_file) before anything reads them (NCCL reads its variables at the first
+    collective)."""
+    env = os.environ if environ is None else environ
+    moved = {k: v for k, v in sorted(env.items())
+             if k.startswith(DEEPSPEED_EXPORTS) and "," in v}
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)   # values may be secret
+    with os.fdopen(fd, "w") as f:
+        json.dump(moved, f)
+    return list(moved)
+
+
+def load_env_file(environ: dict | None = None) -> None:
+    """Put back the variables `stash_env` moved out of the launcher's way."""
+    env = os.environ if environ is None else environ
+    path = env.get(ENV_FILE)
+    if path and os.path.isfile(path):
+        with open(path) as f:
+            env.update(json.load(f))
+
+
 def resolve_env(environ: dict | None = None) -> DistEnv:
     """Read the launcher's variables, fill the standard ones, return who we are."""
     env = os.environ if environ is None else environ
+    load_env_file(env)
     if "RANK" in env and "WORLD_SIZE" in env:
         launcher = "torchrun/deepspeed"
         rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
@@ -246,14 +287,22 @@ def barrier() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The sbatch script's helpers: `master-port` prints the job's port; `stash-env FILE`
+    moves comma-valued variables out of the DeepSpeed launcher's way (stash_env) and prints
+    the `unset` command for the script to eval."""
     args = sys.argv[1:] if argv is None else argv
     job = os.environ.get("SLURM_JOB_ID")
-    if args != ["master-port"] or not job:
-        print("usage: SLURM_JOB_ID=<id> python -m train.distributed master-port",
-              file=sys.stderr)
-        return 2
-    print(slurm_master_port(int(job)))
-    return 0
+    if args == ["master-port"] and job:
+        print(slurm_master_port(int(job)))
+        return 0
+    if len(args) == 2 and args[0] == "stash-env":
+        moved = stash_env(args[1])
+        if moved:
+            print("unset " + " ".join(moved))
+        return 0
+    print("usage: SLURM_JOB_ID=<id> python -m train.distributed master-port\n"
+          "       python -m train.distributed stash-env FILE", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@
         jobs.jsonl                  .jobs          SLURM jobs submitted for the run
         sweep.json                  .sweep         a sweep's elements (`submit --sweep`)
         mlflow.db                   .own_store_uri a store of this run (or of a sweep's runs)
-        submit-<time>.sbatch, slurm-<job>.out, hostfile-<job>    .submit_script() ...
+        submit-<time>.sbatch, slurm-<job>.out, hostfile-<job>, env-<job>.json
+                                    .submit_script() ...
     <runs root>/mlflow.db, mlartifacts/             the store every run of a root shares
 
 Files that readers may meet mid-write (status, tracking, configs) are written atomically
@@ -86,6 +87,7 @@ class RunDir:
 
     # Names the sbatch script needs with shell or SLURM placeholders ($SLURM_JOB_ID, %j).
     HOSTFILE = "hostfile-{job}"
+    ENV_FILE = "env-{job}.json"
     SLURM_LOG = "slurm-{job}.out"
     SUBMIT_SCRIPT = "submit-{stamp}.sbatch"
     # Folder names, for code that only has a path inside the run (a checkpoint folder).
@@ -151,6 +153,10 @@ class RunDir:
 
     def hostfile(self, job: str) -> Path:
         return self.path / self.HOSTFILE.format(job=job)
+
+    def env_file(self, job: str) -> Path:
+        """Variables the DeepSpeed launcher cannot pass through srun (commas in the value)."""
+        return self.path / self.ENV_FILE.format(job=job)
 
     def slurm_log(self, job: str) -> Path:
         return self.path / self.SLURM_LOG.format(job=job)
