@@ -69,6 +69,9 @@ class SubmitOptions:
     launcher: str = _option("srun", "srun: one task per GPU; deepspeed: DeepSpeed's launcher "
                                     "with its slurm backend and a hostfile from the node list",
                             choices=LAUNCHERS)
+    skip_torch_check: bool = _option(False, "do not ask --python whether its torch has CUDA "
+                                            "and kernels for --gpu-type "
+                                            "(cluster/torch_check.py)")
     signal_seconds: int = _option(300, "SLURM sends USR1 this long before the time limit: "
                                        "checkpoint, requeue")
     max_requeues: int = _option(10, "requeues after a warning or preemption, at most")

@@ -29,7 +29,7 @@ from train.run_dir import RunDir, atomic_write_json, atomic_write_text, sqlite_u
 from . import torch_check
 from .jobs import record_job
 from .layout import check_layout
-from .options import add_flags, from_args
+from .options import add_flags, flag, from_args
 from .sbatch import render
 
 
@@ -44,9 +44,6 @@ def _parser() -> argparse.ArgumentParser:
                    help="a grid axis (repeat for more axes): one job array element per "
                         "combination, each its own run and MLflow run in one experiment")
     p.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
-    p.add_argument("--skip-torch-check", action="store_true",
-                   help="do not ask --python whether its torch has kernels for the GPUs "
-                        "(cluster/torch_check.py)")
     return p
 
 
@@ -73,15 +70,20 @@ def absolute_paths(cfg) -> list[str]:
     return out
 
 
-def _check_torch(opts) -> None:
-    """The torch of the nodes' python has CUDA and kernels for the GPU type."""
+def _check_torch(opts, strict: bool) -> None:
+    """The torch of the nodes' python has CUDA and kernels for the GPU type: an error before
+    sbatch, a warning under --dry-run (which only shows the script)."""
     info = torch_check.probe(opts.python)
     if info is None:
         print(f"memtrain submit: warning: could not run {opts.python} here to check its torch "
               "for the GPUs", file=sys.stderr)
     problem = torch_check.torch_problem(info, opts.python, opts.gpus_per_node, opts.gpu_type)
+    if problem and strict:
+        raise ConfigError(flag("python"), problem)
     if problem:
-        raise ConfigError("--python", problem)
+        print(f"memtrain submit: warning (an error without --dry-run): {flag('python')}: "
+              f"{problem}",
+              file=sys.stderr)
 
 
 def _sweep(args, name: str, run_dir: Path, opts) -> list[tuple[Path, list[str]]] | None:
@@ -119,8 +121,8 @@ def main_submit(argv: list[str] | None = None) -> int:
         run_dir = cfg.resolved_run_dir.absolute()
         opts = from_args(args, job_name=cfg.name).validate()
         _check_layout(cfg, args.overrides, opts)
-        if opts.gpus_per_node and not args.skip_torch_check:
-            _check_torch(opts)
+        if opts.gpus_per_node and not opts.skip_torch_check:
+            _check_torch(opts, strict=not args.dry_run)
         config_path = Path(args.config)
         config_path = config_path.absolute() if config_path.is_file() else args.config
         sweep = _sweep(args, cfg.name, run_dir, opts)

@@ -1,7 +1,9 @@
 """A GPU job on a venv whose torch cannot use the GPUs is refused, at submit time (the torch
 of --python) and at start (a rank with GPUs allocated but no CUDA does not fall back to the
-CPU); both errors name the fix (TORCH_SPEC and the CUDA wheel; cu126 for V100)."""
+CPU); both errors name the fix (TORCH_SPEC and the CUDA wheel; cu126 for V100). --dry-run
+only warns."""
 
+import subprocess
 import sys
 
 import pytest
@@ -16,10 +18,29 @@ CU126 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
 CU130 = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"]
 
 
-def _submit(capsys, monkeypatch, info, *argv):
+@pytest.fixture(autouse=True)
+def no_sbatch(tmp_path, monkeypatch):
+    """A real submit (no --dry-run) must stop before sbatch in these tests."""
+    run = subprocess.run
+
+    def refuse(cmd, *args, **kwargs):
+        assert cmd[0] != "sbatch", f"sbatch called: {cmd}"
+        return run(cmd, *args, **kwargs)
+    monkeypatch.setattr(subprocess, "run", refuse)
+    monkeypatch.chdir(tmp_path)
+
+
+def _submit(capsys, monkeypatch, info, *argv, dry_run=False):
+    """Exit code and stderr of `memtrain submit`; an accepted job is shown (--dry-run)."""
     monkeypatch.setattr(torch_check, "probe", lambda python: info)
-    code = main_submit(["--config", "copy-rmt", "--dry-run", "--nodes", "4", *argv])
+    argv = ["--config", "copy-rmt", "--nodes", "4", *argv]
+    code = main_submit([*argv, "--dry-run"] if dry_run else argv)
     return code, capsys.readouterr().err
+
+
+def _accepted(capsys, monkeypatch, info, *argv):
+    code, err = _submit(capsys, monkeypatch, info, *argv, dry_run=True)
+    return code == 0 and "warning" not in err
 
 
 def test_the_probe_reads_this_venvs_torch():
@@ -34,10 +55,12 @@ def test_a_gpu_job_on_a_cpu_torch_is_refused_at_submit_with_the_wheel_to_install
     assert code == 2
     assert "a CPU-only build" in err and "TORCH_SPEC=torch==2.13.0+cu126" in err
     assert "download.pytorch.org/whl/cu126" in err
+    # --dry-run shows the script and the problem as a warning.
+    code, err = _submit(capsys, monkeypatch, cpu, "--gpus-per-node", "8", dry_run=True)
+    assert code == 0 and "warning (an error without --dry-run)" in err
     # A CPU job does not need CUDA; --skip-torch-check leaves the question to the user.
-    assert _submit(capsys, monkeypatch, cpu, "--gpus-per-node", "0")[0] == 0
-    assert _submit(capsys, monkeypatch, cpu, "--gpus-per-node", "8",
-                   "--skip-torch-check")[0] == 0
+    assert _accepted(capsys, monkeypatch, cpu, "--gpus-per-node", "0")
+    assert _accepted(capsys, monkeypatch, cpu, "--gpus-per-node", "8", "--skip-torch-check")
 
 
 def test_a_cuda_13_wheel_is_refused_for_v100_and_accepted_for_a100(capsys, monkeypatch):
@@ -45,11 +68,9 @@ def test_a_cuda_13_wheel_is_refused_for_v100_and_accepted_for_a100(capsys, monke
     code, err = _submit(capsys, monkeypatch, cu130, "--gpus-per-node", "8", "--gpu-type",
                         "v100")
     assert code == 2 and "no kernels for v100 (sm_70)" in err and "cu126" in err
-    assert _submit(capsys, monkeypatch, cu130, "--gpus-per-node", "8", "--gpu-type",
-                   "a100")[0] == 0
+    assert _accepted(capsys, monkeypatch, cu130, "--gpus-per-node", "8", "--gpu-type", "a100")
     cu126 = {"version": "2.13.0+cu126", "cuda": "12.6", "archs": CU126}
-    assert _submit(capsys, monkeypatch, cu126, "--gpus-per-node", "8", "--gpu-type",
-                   "v100")[0] == 0
+    assert _accepted(capsys, monkeypatch, cu126, "--gpus-per-node", "8", "--gpu-type", "v100")
     # An A10 (8.6) runs sm_80 code; an H100 (9.0) does not run sm_86 code without PTX.
     assert torch_check._has_kernels(["sm_80"], (8, 6))
     assert not torch_check._has_kernels(["sm_80", "sm_86"], (9, 0))
@@ -57,7 +78,7 @@ def test_a_cuda_13_wheel_is_refused_for_v100_and_accepted_for_a100(capsys, monke
 
 
 def test_a_python_that_cannot_run_here_is_a_warning_not_an_error(capsys, monkeypatch):
-    code, err = _submit(capsys, monkeypatch, None, "--gpus-per-node", "8")
+    code, err = _submit(capsys, monkeypatch, None, "--gpus-per-node", "8", dry_run=True)
     assert code == 0 and "could not run" in err
 
 
