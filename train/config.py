@@ -145,6 +145,18 @@ class TrackingConfig:
 
 
 @dataclass
+class DistributedConfig:
+    # How long a collective (a barrier) waits for the slowest rank before the job fails.
+    # DeepSpeed's default is 10 minutes (deepspeed/constants.py, DEEPSPEED_TIMEOUT), but rank
+    # 0 alone converts a checkpoint to the universal format when the world size changes
+    # (train/resume.py) and exports the final weights while the other ranks wait in a
+    # barrier; on shared storage, for the 151M-parameter WikiText-103 model, either can take
+    # longer. A rank that crashes ends the job anyway (srun --kill-on-bad-exit), so this only
+    # bounds a real hang: 60 minutes is that much GPU time lost at most, once.
+    timeout_minutes: int = 60
+
+
+@dataclass
 class RunConfig:
     name: str = "run"
     # Everything of a run lives here: resolved config, checkpoints, metrics, eval reports.
@@ -163,6 +175,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -262,6 +275,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(s.zero_stage is None or s.zero_stage in (0, 1, 2, 3), "deepspeed.zero_stage",
            f"must be 0, 1, 2 or 3, got {s.zero_stage}")
     _check(s.grad_accum >= 1, "deepspeed.grad_accum", f"must be >= 1, got {s.grad_accum}")
+    _check(cfg.distributed.timeout_minutes >= 1, "distributed.timeout_minutes",
+           f"must be >= 1, got {cfg.distributed.timeout_minutes}")
     _check(resolve_path(s.config).is_file(), "deepspeed.config",
            f"no such file: {resolve_path(s.config)}")
     return cfg

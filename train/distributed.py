@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -254,8 +255,9 @@ def device_for(local_rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
-def init_process_group(env: DistEnv) -> None:
-    """gloo on CPU (oneCCL is not installable here), nccl on CUDA."""
+def init_process_group(env: DistEnv, timeout_minutes: float = 60) -> None:
+    """gloo on CPU (oneCCL is not installable here), nccl on CUDA; collectives wait at most
+    `timeout_minutes` for the slowest rank (the run config's distributed.timeout_minutes)."""
     # DeepSpeed JIT-compiles an op on first use (~30 s); scripts/setup.sh builds it into the
     # checkout, so reuse that build unless the user chose another place.
     prebuilt = Path(__file__).resolve().parents[1] / ".cache" / "torch_ext"
@@ -267,7 +269,7 @@ def init_process_group(env: DistEnv) -> None:
     require_cuda_if_allocated()   # gloo on the CPU only when the job has no GPUs
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
-                               verbose=False)
+                               verbose=False, timeout=timedelta(minutes=timeout_minutes))
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:

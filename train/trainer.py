@@ -112,7 +112,7 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     env = resolve_env()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    init_process_group(env)
+    init_process_group(env, timeout_minutes=cfg.distributed.timeout_minutes)
     device = device_for(env.local_rank)
     check_run(cfg, env.world_size, device)
     run = RunDir(cfg.resolved_run_dir)
