@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from train.run_dir import RunDir
+from train.run_dir import RUNNING, RunDir
 
 
 def record_job(run_dir: Path, job_id: str, script: Path, nodes: int) -> None:
@@ -51,6 +51,8 @@ def list_jobs(runs_root: Path) -> list[dict]:
         run = RunDir(run_dir)
         now = live.get(r["job_id"])
         status = run.read_status().get("state", "unknown")
+        if status == RUNNING:        # written at start; the job is over: the ranks died
+            status = "crashed"
         rows.append({
             "job_id": r["job_id"], "run": run_dir.name,
             "state": now["state"] if now else f"ended ({status})",

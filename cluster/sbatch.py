@@ -9,7 +9,8 @@ The script is plain bash that `sbatch` takes as it is (no pickles, no hidden sta
                            hostfile written from `scontrol show hostnames` (no ssh needed)
     requeue on stop        SLURM's warning signal (--signal=USR1@<s>) or a preemption SIGTERM
                            makes every rank checkpoint and exit; the script then requeues the
-                           job (at most --max-requeues times) unless the run finished.
+                           job (at most --max-requeues times) when the run's status says
+                           "interrupted", never after a crash ("running", "failed").
 
 Values that reach the script either match a strict pattern (partition, account, time, ...)
 or go through shlex.quote, so a partition name or a setup line cannot run other commands.
@@ -121,9 +122,14 @@ def render(config_path: str | Path, overrides: list[str], run_dir: str | Path,
           f"{forward.format(sig=sig)} 2>/dev/null || true' {sig}" for sig in ("USR1", "TERM")],
         "while kill -0 \"$LAUNCH_PID\" 2>/dev/null; do wait \"$LAUNCH_PID\" || true; done",
         "",
-        "# finished, interrupted or failed, from the run's status.json (train/run_dir.py).",
+        "# finished, interrupted or failed, from the run's status.json (train/run_dir.py);",
+        "# running: the ranks died without writing an end (killed, crashed): not requeued.",
         f"STATE=$({py} -m train.run_dir status \"$RUN_DIR\" || echo failed)",
         "echo \"memtrain: run state $STATE after restart ${SLURM_RESTART_COUNT:-0}\"",
+        "if [ \"$STATE\" = running ]; then",
+        "    echo \"memtrain: the ranks ended without writing a state (crashed or killed);"
+        " not requeued\"",
+        "fi",
         "if [ \"$STATE\" = interrupted ] && "
         "[ \"${SLURM_RESTART_COUNT:-0}\" -lt \"$MAX_REQUEUES\" ]; then",
         "    scontrol requeue \"$SLURM_JOB_ID\"",

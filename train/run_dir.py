@@ -4,8 +4,9 @@
         config.yaml                 .config        the resolved run config (read back by
                                                    eval, export, analyze, generate, recl)
         ds_config.json              .ds_config     the DeepSpeed config derived from it
-        status.json                 .status        {"state": finished | interrupted | failed,
-                                                   "step"}: how the last job ended
+        status.json                 .status        {"state": finished | interrupted | failed
+                                                   | running, "step"}: how the last job
+                                                   ended (running: it is, or it died hard)
         tracking.json               .tracking      MLflow run id and store: a restarted job
                                                    continues the same MLflow run
         metrics.jsonl               .metrics       every logged step, MLflow or not
@@ -44,11 +45,13 @@ from data_pipeline.atomic import (
 
 __all__ = ["RunDir", "read_json", "shared_store_uri", "sqlite_uri", "artifact_location",
            "AtomicFile", "atomic_write_bytes", "atomic_write_json", "atomic_write_text",
-           "FINISHED", "INTERRUPTED", "FAILED", "STATES"]
+           "FINISHED", "INTERRUPTED", "FAILED", "RUNNING", "STATES"]
 
 # How a job left the run (status.json "state"). The sbatch script requeues "interrupted".
-FINISHED, INTERRUPTED, FAILED = "finished", "interrupted", "failed"
-STATES = (FINISHED, INTERRUPTED, FAILED)
+# "running" is written when training starts: still there after the job, it means the ranks
+# died without writing an end (SIGKILL, a segfault, a lost node), which is not requeued.
+FINISHED, INTERRUPTED, FAILED, RUNNING = "finished", "interrupted", "failed", "running"
+STATES = (FINISHED, INTERRUPTED, FAILED, RUNNING)
 STORE = "mlflow.db"                  # an MLflow sqlite store, in a runs root or a run dir
 ARTIFACTS = "mlartifacts"            # its artifacts, beside it
 

@@ -35,7 +35,7 @@ from .evaluate import evaluate, headline, protocol_for
 from .export import export_checkpoint
 from .progress import Progress, peak_memory_mb
 from .resume import restore
-from .run_dir import RunDir, atomic_write_json, atomic_write_text
+from .run_dir import RUNNING, RunDir, atomic_write_json, atomic_write_text
 from .tracking import Tracker
 
 
@@ -138,6 +138,9 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     if env.is_main:
         atomic_write_text(run.config, dump_yaml(cfg))
         atomic_write_json(run.ds_config, ds_config, default=str)
+        # Until the job writes how it ended: "running" left after it means a hard crash,
+        # which the sbatch script does not requeue (a stale "interrupted" would be).
+        run.write_status(RUNNING, info.step if info is not None else 0)
         # The resolved config is worth reading at every start; the DeepSpeed JSON is
         # derived from it, so it is only saved.
         print(f"memtrain: {env.world_size} rank(s) via {env.launcher}, run dir {run_dir}\n"
