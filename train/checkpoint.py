@@ -11,8 +11,10 @@ Layout under `<run_dir>/checkpoints/` (RunDir.checkpoints):
     latest                            name of the newest complete checkpoint
     .tmp-step00001300/                a save in progress (or killed midway): ignored
 
-A save writes everything into `.tmp-<tag>`, waits for every rank, writes COMPLETE and renames
-the folder; a crash at any point leaves the previous checkpoint as `latest`. DeepSpeed's own
+A save writes everything into `.tmp-<tag>`, fsyncs it (each rank its own files, rank 0 the
+folder), waits for every rank, writes COMPLETE and renames the folder; a crash at any point
+leaves the previous checkpoint as `latest`. A resume takes the checkpoint rank 0 sees
+(agreed_latest), so every rank loads the same one. DeepSpeed's own
 `client_state` is written by one rank only, which is why each rank writes its own file.
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -104,17 +107,62 @@ def save(engine, root: Path, step: int, rank: int, rank_payload: dict, meta: dic
     with AtomicFile(tmp / rank_file_name(rank)) as f:
         torch.save(payload, f)
     _fault_point("after_rank_files", step)
+    # On NFS or Lustre another node may see COMPLETE before data this rank wrote reaches the
+    # server: each rank fsyncs its own files (only the writer's fsync flushes them).
+    fsync_written(tmp, rank)
     barrier()
     final = root / tag
     if rank == 0:
+        fsync_folders(tmp)         # every rank's file names, before COMPLETE vouches for them
         atomic_write_json(tmp / MARKER, {**meta, "step": step})
+        fsync_folders(tmp)         # COMPLETE's own name
         if final.exists():         # the same step saved again (e.g. signal at the end)
             shutil.rmtree(final)
         os.replace(tmp, final)
+        fsync_folders(root, recursive=False)   # the new folder name, before `latest` names it
         atomic_write_text(root / LATEST, tag)
+        fsync_folders(root, recursive=False)
         _prune(root, keep_last)
     barrier()
     return final
+
+
+# The rank that wrote a file of a checkpoint folder: DeepSpeed's per-rank ZeRO files carry
+# their data-parallel rank (zero_pp_rank_<r>_mp_rank_00_{optim,model}_states.pt; the global
+# rank, with no model parallelism), ours memtrain_rank<r>.pt; DeepSpeed writes the rest
+# (mp_rank_00_model_states.pt below ZeRO-3) on rank 0.
+_WRITER = re.compile(r"(?:^|_)zero_pp_rank_(\d+)_|^memtrain_rank(\d+)\.pt$")
+
+
+def writer_rank(name: str) -> int:
+    m = _WRITER.search(name)
+    return int(m.group(1) or m.group(2)) if m else 0
+
+
+def fsync_path(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_written(folder: Path, rank: int) -> int:
+    """fsync every file of `folder` (and below) that `rank` wrote; returns how many. Hidden
+    names are other writers' temporary files (AtomicFile), fsynced by them."""
+    n = 0
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and not path.name.startswith(".") and writer_rank(path.name) == rank:
+            fsync_path(path)
+            n += 1
+    return n
+
+
+def fsync_folders(folder: Path, recursive: bool = True) -> None:
+    """fsync `folder` (and the folders below it): the names of the files in them."""
+    subfolders = sorted(p for p in folder.rglob("*") if p.is_dir()) if recursive else []
+    for path in [*subfolders, folder]:
+        fsync_path(path, directory=True)
 
 
 def _fault_point(where: str, step: int) -> None:
@@ -159,6 +207,19 @@ def complete_checkpoints(root: Path) -> list[CheckpointInfo]:
     return sorted((f for f in found if f is not None), key=lambda f: f.step)
 
 
+def agreed_latest(root: Path) -> CheckpointInfo | None:
+    """The checkpoint to resume from, the same on every rank: rank 0 picks it (find_latest)
+    and broadcasts it. Collective when a process group of several ranks exists. On NFS or
+    Lustre attribute caching can show ranks different folders or `latest` for a while, and
+    ranks resuming from different checkpoints would train on silently."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return find_latest(root)
+    box = [find_latest(root) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def find_latest(root: Path) -> CheckpointInfo | None:
     """The checkpoint named by `latest` if complete, else the newest complete one."""
     pointer = root / LATEST
@@ -184,6 +245,10 @@ def to_universal(info: CheckpointInfo) -> str:
         if done.returncode != 0:
             raise RuntimeError(f"converting {info.path} to a universal checkpoint failed:\n"
                                f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+        for path in sorted(out.rglob("*")):   # all written here, by the converter
+            if path.is_file():
+                fsync_path(path)
+        fsync_folders(out)
         atomic_write_json(out / MARKER, info.meta)
     return out.name
 

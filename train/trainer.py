@@ -123,10 +123,10 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     manifest = open_data(cfg, env.rank)
     stream = _stream(cfg, manifest, env.rank, env.world_size)
     curriculum = SegmentCurriculum(cfg.curriculum, stream, manifest, cfg.data.path)
-    info = ckpt.find_latest(ckpt_root) if resume else None
+    info = ckpt.agreed_latest(ckpt_root) if resume else None   # rank 0's choice, on all
     if resume == "require" and info is None:
         raise ConfigError("--resume", f"no complete checkpoint in {ckpt_root}")
-    if not resume and ckpt.find_latest(ckpt_root) is not None:
+    if not resume and ckpt.agreed_latest(ckpt_root) is not None:
         raise ConfigError("run_dir", f"{run_dir} already holds checkpoints; resume it, or "
                           "choose another name / run_dir for a fresh run")
     ds_config = build_ds_config(cfg, env.world_size, load_universal=bool(
