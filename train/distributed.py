@@ -272,6 +272,15 @@ def init_process_group(env: DistEnv, timeout_minutes: float = 60) -> None:
                                verbose=False, timeout=timedelta(minutes=timeout_minutes))
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of a rank's training RNG (dropout) after the shared initial weights: its own
+    per rank, so that ranks do not draw the same masks; reproducible; and not seed + rank,
+    with which run seed 1's rank 0 would replay run seed 0's rank 1."""
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1, np.uint64)[0] >> 1)
+
+
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     import torch
 

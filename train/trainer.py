@@ -29,7 +29,14 @@ from . import checkpoint as ckpt
 from .bptt import TrainState, WindowPlan, run_window
 from .config import RunConfig, dump_yaml
 from .curriculum import SegmentCurriculum
-from .distributed import all_reduce_sum, barrier, device_for, init_process_group, resolve_env
+from .distributed import (
+    all_reduce_sum,
+    barrier,
+    device_for,
+    init_process_group,
+    rank_seed,
+    resolve_env,
+)
 from .engine import build_ds_config, initialize, zero_stage
 from .evaluate import evaluate, headline, protocol_for
 from .export import export_checkpoint
@@ -150,6 +157,11 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model)
     engine, schedule = initialize(model, cfg, ds_config)
+    if env.rank:
+        # Dropout of its own on every other rank (rank 0 keeps the stream it always had):
+        # ranks drawing identical masks would add correlated, not independent, noise. A
+        # resume restores each rank's RNG state from its checkpoint file.
+        torch.manual_seed(rank_seed(cfg.seed, env.rank))
     state = TrainState(plan=WindowPlan(cfg.bptt, manifest.kind == "episodes"))
     if info is not None:
         restore(info, engine, state, stream, env, device)  # the curriculum stage included
