@@ -87,6 +87,9 @@ ROWS["copy-s6-plain"] = ("copy-rmt-cpu", "copy8-s6", _LONG,
 ROWS["copy-s6-curriculum"] = ("copy-rmt-cpu", "copy8-s6", _LONG + [
     "curriculum.segments=[1,2,3,6]", "curriculum.advance=accuracy",
     "curriculum.threshold=0.95"], "RMT, full BPTT, curriculum 1-2-3-6 segments")
+ROWS["copy-s6-curriculum-steps"] = ("copy-rmt-cpu", "copy8-s6", _LONG + [
+    "curriculum.segments=[1,2,3,6]", "curriculum.advance=steps", "curriculum.every=200"],
+    "RMT, full BPTT, curriculum 1-2-3-6 segments, a stage every 200 steps")
 _rows("ar", 3, ("xl",))
 
 
