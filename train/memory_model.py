@@ -1,0 +1,397 @@
+"""Bytes of one training window per GPU, counted from the code (for `memtrain plan`).
+
+Activations are the tensors autograd saves for backward, read off model/ one by one (B rows
+per rank, L segment, M memory, K keys, D distances, H heads, dh, d, d_inner, V vocabulary,
+s bytes of the model dtype: 4 fp32, 2 bf16/fp16; each storage counted once):
+- attention (model/attention.py, `relative_attention`; Transformer-XL §3.3): torch.matmul
+  saves the folded operands of (q+v)·(W_kR R)^T ([B·H,Q,dh] copy, R expanded to [B·H,dh,D])
+  and of (q+u)·K^T; masked_fill the bool mask [B|1,Q,K]; softmax its fp32 output
+  [B,H,Q,K]; P·V the probabilities in the model dtype (bf16/fp16 only), any dropatt mask and
+  a [B·H,K,dh] copy of V. The linear layers keep their inputs: the layer input, [memory ∘
+  input] (kv_net), [B,Q,H·dh] (o_net) and the dropped-out R (once per segment). On a GPU the
+  fused path is SDPA's memory-efficient kernel with the positional term as a float bias: it
+  keeps q+u, the kv_net output, the bias [B,H,Q,K] (last dim padded to 16) in the model dtype,
+  its output and an fp32 log-sum-exp. On CPU SDPA takes its math path (BENCHMARKS.md,
+  "Model"): what the plain path saves, in fp32 for bf16/fp16 models (it upcasts).
+- sub-layers: a dropout mask per dropout (bool on CUDA, `native_dropout`; the noise in the
+  model dtype on CPU); LayerNorm its input and row mean/rstd (fp32 on CUDA); the FFN W1's
+  input, ReLU output and W2's input [B,Q,d_inner]; pre-LN the LayerNorms' inputs and outputs.
+- LaMemo (model/lamemo.py; Ji et al. 2022 Eq. 7-11): the causal branch as above, the
+  look-ahead (M query rows, min(M, L) keys, M distances), the interpolation (fp32 [B,M,H]
+  log-normalisers and α, the [B,M,H,dh] look-ahead context), and W_o, LayerNorm, FFN over all
+  M+L rows in every layer but the top one (whose look-ahead runs without a graph).
+- RMT (model/rmt.py; Bulatov et al. 2022 §3): Q = 2m+L rows, signed distances D = Q+K-1.
+- head (model/adaptive.py): W's input, the fp32 log-softmax [N, V] (N = B·L), the targets;
+  adaptive softmax (Grave et al. 2016): the concatenated head weight, the head log-softmax and
+  its row copy, each tail cluster's rows' log-softmax. Rows per cluster: a Zipf law (rank^-1)
+  over the frequency-sorted vocabulary (natural text puts more in the head: an upper bound).
+Memory state (model/memory.py): a FIFO keeps the [old ∘ new] concatenation and views its last
+M rows, so an XL cache costs n_layer·B·(M+L)·d·s; LaMemo keeps the embeddings and per layer
+contexts [B,M+L,H,dh] and fp32 log-normalisers [B,M+L,H]; RMT's memory is a view of the top
+layer's dropout output [B,2m+L,d] (or of the memory LayerNorm's output [B,m,d]).
+
+Peak of a window (train/bptt.py `run_window`, one backward), walked block by block in
+reverse (head, each layer's FFN then attention, embedding): a block frees what it saved and,
+while it runs, adds its backward's allocations: 2·N·V fp32 log-softmax gradients and a [V,d]
+weight gradient (head); the score gradient plus torch's as_strided backward of the skew
+(model/positional.py: a zeroed [B,H,Q,D] storage, int64 indices of it and of the view);
+2·[B,Q,d_inner] (FFN); [V,d] (embedding). A parameter used again in an earlier segment (all
+when k >= 1, the tied embedding always) holds a gradient buffer in the autograd engine until
+its last use. Segment checkpointing keeps each segment's memory and outputs and recomputes one
+segment at a time, layer checkpointing the same per layer. Validated on CPU:
+benchmarks/bench_memory_plan.py (BENCHMARKS.md, "Memory planner").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from model import ModelConfig, build_model
+
+
+@dataclass
+class Dims:
+    """Shapes and byte sizes of one rank's window (`kernel`: "cuda" or "cpu")."""
+
+    cfg: ModelConfig
+    rows: int                 # B: stream rows of this rank
+    mem_len: int              # M (XL cache; RMT's XL cache beside the memory tokens)
+    precision: str = "bf16"
+    kernel: str = "cuda"
+
+    @property
+    def s(self) -> int:       # bytes per element of the model dtype
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def mask(self) -> int:    # dropout mask bytes per element (LayerNorm stats: ln_stat)
+        return 1 if self.kernel == "cuda" else self.s
+
+    ln_stat = property(lambda self: 4 if self.kernel == "cuda" else self.s)
+
+
+@dataclass
+class Block:
+    """A stretch of the forward: what it saves, what its backward allocates while it runs,
+    its parameter-gradient bytes; in a checkpointed layer what it keeps and recomputes."""
+
+    name: str
+    saved: float = 0.0
+    transient: float = 0.0
+    params: float = 0.0
+    kept: float | None = None      # None: what it saves stays until its backward
+    recompute: float = 0.0
+    parts: dict = field(default_factory=dict)  # category -> bytes, for the breakdown
+
+    def add(self, category: str, nbytes: float) -> None:
+        self.saved += nbytes
+        self.parts[category] = self.parts.get(category, 0.0) + nbytes
+
+    @property
+    def held(self) -> float:
+        return self.saved if self.kept is None else self.kept
+
+
+@dataclass
+class Params:
+    total: int                   # Ψ (tied weights once)
+    embedding: int               # AdaptiveEmbedding (incl. the weight tied into the softmax)
+    head_only: int               # softmax parameters not shared with the embedding
+    attn: int                    # one layer's attention sub-layer
+    ff: int                      # one layer's FFN
+    other: int                   # u, v (v-), RMT initial memory and memory LayerNorm
+    largest_module: int          # the largest single tensor (ZeRO-3 gathers it whole)
+
+
+def count_params(cfg: ModelConfig) -> Params:
+    """Exact parameter counts of the model, built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = build_model(ModelConfig.from_dict(cfg.to_dict()))
+    emb_ids = {id(p) for p in model.embedding.parameters()}
+    n = lambda ps: sum(p.numel() for p in ps)  # noqa: E731
+    layer = model.core.layers[0]
+    total, emb = n(model.parameters()), n(model.embedding.parameters())
+    head_only = n(p for p in model.softmax.parameters() if id(p) not in emb_ids)
+    attn, ff = n(layer.attn.parameters()), n(layer.ff.parameters())
+    other = total - emb - head_only - cfg.n_layer * (attn + ff)
+    return Params(total, emb, head_only, attn, ff, other,
+                  max(p.numel() for p in model.parameters()))
+
+
+def head_cluster_rows(cfg: ModelConfig) -> list[float]:
+    """Fraction of target tokens in each softmax cluster under a Zipf law (module doc)."""
+    ends = [0, *cfg.cutoffs, cfg.vocab_size]
+    norm = math.log(cfg.vocab_size) + 0.5772  # harmonic number H_V
+    cum = [0.0] + [min(1.0, (math.log(e) + 0.5772) / norm) for e in ends[1:]]
+    return [cum[i + 1] - cum[i] for i in range(len(ends) - 1)]
+
+
+def _attention(pos: Block, blk: Block, dm: Dims, q: int, k: int, dist: int, mask_rows: int,
+               need_lse: bool = False) -> None:
+    """Saved tensors of one `relative_attention` call (module docstring, first item): the
+    positional matmul's in `pos`, whose backward runs the skew's as_strided backward (a
+    zeroed [B,H,Q,D] storage, int64 indices of it and of the view) with the score gradient
+    and the K, V gradients (kv_net's output waits for both) alive; the rest in `blk`, whose
+    backward holds the fp32 probability gradients."""
+    c = dm.cfg
+    b, h, dh, s = dm.rows, c.n_head, c.d_head, dm.s
+    a_k, resid = b * h * q * k, 3 * b * q * c.d_model * s
+    pos.add("rel-pos", b * h * q * dh * s + b * h * dh * dist * s)   # (q+v) copy, R expanded
+    pos.transient = a_k * (s + 8) + b * h * q * dist * (s + 8) + resid + 2 * b * k * h * dh * s
+    blk.transient = a_k * 8 + resid
+    blk.add("scores", mask_rows * q * k)                              # bool mask
+    if c.attn_impl == "fused" and not need_lse and dm.kernel == "cuda":
+        # memory-efficient SDPA kernel: q+u, out, kv output, bias, logsumexp
+        blk.add("qkv", 2 * b * h * q * dh * s + 2 * b * k * h * dh * s)
+        blk.add("scores", b * h * q * (-(-k // 16) * 16) * s + b * h * (-(-q // 32) * 32) * 4)
+        return
+    # CPU SDPA math path upcasts bf16/fp16 to fp32; the plain path keeps the model dtype.
+    sq = 4 if c.attn_impl == "fused" and not need_lse else s
+    blk.add("qkv", b * h * q * dh * sq + 2 * b * h * dh * k * sq)     # (q+u), K^T, V copies
+    blk.add("scores", a_k * 4)                                        # fp32 softmax output
+    if sq != 4:
+        blk.add("scores", a_k * s)                                    # probabilities in dtype
+    if c.dropatt > 0:
+        blk.add("scores", a_k * dm.mask + (a_k * sq if sq == 4 else 0))
+
+
+def _post_attention(blk: Block, dm: Dims, rows: int) -> None:
+    """o_net input, dropout, residual LayerNorm (post-LN) over `rows` query rows."""
+    c = dm.cfg
+    b, d, s = dm.rows, c.d_model, dm.s
+    blk.add("qkv", b * rows * c.n_head * c.d_head * s)                # o_net input
+    blk.add("dropout", b * rows * d * dm.mask * (c.dropout > 0))
+    if not c.pre_lnorm:
+        blk.add("layernorm", b * rows * d * s + 2 * b * rows * dm.ln_stat)
+
+
+def _ffn(dm: Dims, rows: int, params: int) -> list[Block]:
+    """[W1 input, ReLU output, dropout mask] and [W2 input, mask, LayerNorm] over `rows`."""
+    c = dm.cfg
+    b, d, di, s = dm.rows, c.d_model, c.d_inner, dm.s
+    inner, outer = Block("ffn", params=params * s), Block("ffn-out")
+    if c.pre_lnorm:   # LN(x): its input (the residual) and its output (W1's input)
+        inner.add("layernorm", b * rows * d * s + 2 * b * rows * dm.ln_stat)
+    inner.add("ffn", b * rows * (d * s + di * s + di * dm.mask * (c.dropout > 0)))
+    outer.add("ffn", b * rows * (di * s + d * dm.mask) * (c.dropout > 0))   # W2 input, mask
+    if not c.pre_lnorm:
+        outer.add("layernorm", b * rows * d * s + 2 * b * rows * dm.ln_stat)
+    # In-place ReLU on Linear's output view: CopySlices' backward clones the gradient into a
+    # new base and runs threshold_backward on it (3 x [B,R,d_inner]).
+    inner.transient = 3 * b * rows * di * s + b * rows * d * s
+    outer.transient = b * rows * di * s + 2 * b * rows * d * s
+    return [inner, outer]
+
+
+def _projections(blk: Block, dm: Dims, q_rows: int, kv_rows: int) -> None:
+    """Inputs of q_net and kv_net: the layer input, and [memory ∘ input] when there is a
+    memory (a new tensor); pre-LN saves the LayerNorms' inputs and outputs instead."""
+    b, d, s = dm.rows, dm.cfg.d_model, dm.s
+    blk.add("qkv", b * q_rows * d * s)
+    if kv_rows != q_rows:
+        blk.add("qkv", b * kv_rows * d * s)
+    if dm.cfg.pre_lnorm:   # LN(h) for q and LN([mem ∘ h]) for kv: outputs + stats
+        blk.add("layernorm", b * (q_rows + kv_rows) * (d * s + 2 * dm.ln_stat))
+
+
+def _attention_blocks(dm: Dims, params: int, q_rows: int, kv_rows: int, q: int, k: int,
+                      dist: int, mask_rows: int, need_lse: bool = False) -> list[Block]:
+    pos, blk = Block("attention-positions", params=params * dm.s), Block("attention")
+    _projections(pos, dm, q_rows, kv_rows)
+    _attention(pos, blk, dm, q, k, dist, mask_rows, need_lse)
+    return [pos, blk]
+
+
+def _xl_like_layers(dm: Dims, p: Params, q: int, k: int, dist: int, mask_rows: int
+                    ) -> list[list[Block]]:
+    layers = []
+    for _ in range(dm.cfg.n_layer):
+        attn = _attention_blocks(dm, p.attn, q, k, q, k, dist, mask_rows)
+        _post_attention(attn[-1], dm, q)
+        layers.append([*attn, *_ffn(dm, q, p.ff)])
+    return layers
+
+
+def _lamemo_layers(dm: Dims, p: Params, first_in_window: bool) -> list[list[Block]]:
+    c = dm.cfg
+    b, s, h, dh, m, n = dm.rows, dm.s, c.n_head, c.d_head, dm.mem_len, c.tgt_len
+    k, win = m + n, min(m, n)
+    layers = []
+    for i in range(c.n_layer):
+        blocks = _attention_blocks(dm, p.attn, n, k, n, k, k, b, need_lse=True)   # causal
+        if i < c.n_layer - 1:   # look-ahead (Eq. 7-9), interpolation (Eq. 10-11) with a graph
+            blocks += _attention_blocks(dm, 0, m, m, m, win, m, 1, need_lse=True)
+            ahead = blocks[-1]                                         # (memory rows copied)
+            ahead.add("lamemo", 3 * b * m * h * 4 + b * m * h * dh * s
+                      + (b * m * h * s if s != 4 else 0))              # lse, α, C←
+            if not first_in_window:  # previous segment's log S_mem (its C_mem is a W_o input)
+                ahead.add("lamemo", b * k * h * 4)
+            _post_attention(ahead, dm, k)                              # W_o, LN over M+L rows
+            blocks += _ffn(dm, k, p.ff)
+        else:
+            _post_attention(blocks[-1], dm, n)
+            blocks += _ffn(dm, n, p.ff)
+        layers.append(blocks)
+    return layers
+
+
+def _embedding(dm: Dims, p: Params) -> Block:
+    c = dm.cfg
+    b, n, s = dm.rows, c.tgt_len, dm.s
+    blk = Block("embedding", params=(p.embedding - _tied(c, p) + p.other) * s)
+    blk.add("head", b * n * 8)                                          # token ids
+    blk.add("dropout", b * n * c.d_model * dm.mask * (c.dropout > 0))
+    blk.transient = p.embedding * s + b * n * c.d_model * s             # dense [V, d] grad
+    return blk
+
+
+def _tied(c: ModelConfig, p: Params) -> int:
+    return p.embedding if c.tie_weight else 0
+
+
+def _head(dm: Dims, p: Params, rows_out: int, n_rows: int) -> Block:
+    """Final dropout over `rows_out` rows, the (adaptive) log-softmax over n_rows targets."""
+    c = dm.cfg
+    d, s = c.d_model, dm.s
+    blk = Block("head", params=(p.head_only + _tied(c, p)) * s)
+    blk.add("dropout", dm.rows * rows_out * d * dm.mask * (c.dropout > 0))
+    blk.add("head", n_rows * d * s + n_rows * 9)                       # W input, index, mask
+    ends = [0, *c.cutoffs, c.vocab_size]
+    if not c.cutoffs:
+        blk.add("head", n_rows * c.vocab_size * 4)
+        blk.transient = 2 * n_rows * c.vocab_size * 4 + c.vocab_size * d * s
+        return blk
+    frac = head_cluster_rows(c)
+    v_head = ends[1] + len(ends) - 2
+    blk.add("head", v_head * d * s + n_rows * v_head * 4 * (1 + frac[0]))  # cat W, logp, copy
+    for i in range(1, len(ends) - 1):
+        rows_i = n_rows * frac[i]
+        blk.add("head", rows_i * (d * s + 16) + rows_i * (ends[i + 1] - ends[i]) * 4)
+    blk.transient = 3 * n_rows * v_head * 4 + p.embedding * s
+    return blk
+
+
+def segment_blocks(dm: Dims, p: Params, first_in_window: bool = False
+                   ) -> tuple[Block, list[list[Block]], Block]:
+    """(embedding, per-layer blocks, head) of one segment with a full memory."""
+    c = dm.cfg
+    n, b = c.tgt_len, dm.rows
+    if c.mechanism == "lamemo" and c.lamemo.look_ahead:
+        return _embedding(dm, p), _lamemo_layers(dm, p, first_in_window), _head(dm, p, n, b * n)
+    if c.mechanism == "rmt":
+        mt = c.rmt.num_mem_tokens
+        q = 2 * mt + n
+        kk = dm.mem_len + q
+        layers = _xl_like_layers(dm, p, q, kk, q + kk - 1, b if dm.mem_len else 1)
+        head = _head(dm, p, q, b * n)
+        if c.pre_lnorm and c.rmt.memory_norm != "none":
+            head.add("layernorm", b * q * c.d_model * dm.s + 2 * b * mt * dm.ln_stat)
+        if c.rmt.mem_loss_weight > 0:
+            aux = _head(dm, p, 0, b * mt)
+            head.add("head", aux.saved)
+            head.transient = max(head.transient, aux.transient)
+        return _embedding(dm, p), layers, head
+    k = dm.mem_len + n
+    layers = _xl_like_layers(dm, p, n, k, k, b if dm.mem_len else 1)
+    return _embedding(dm, p), layers, _head(dm, p, n, b * n)
+
+
+def positional_bytes(dm: Dims) -> float:
+    """Dropped-out R read by every layer's r_net, saved once per segment (distances)."""
+    c, n, m = dm.cfg, dm.cfg.tgt_len, dm.mem_len
+    q = 2 * c.rmt.num_mem_tokens + n
+    rows = {"rmt": 2 * q + m - 1, "lamemo": 2 * m + n if c.lamemo.look_ahead else m + n}
+    return rows.get(c.mechanism, m + n) * c.d_model * dm.s
+
+
+def state_bytes(dm: Dims) -> float:
+    """One memory state as the model leaves it (module docstring, "Memory state")."""
+    c = dm.cfg
+    b, d, s, n, m = dm.rows, c.d_model, dm.s, c.tgt_len, dm.mem_len
+    if c.mechanism == "rmt":
+        q = 2 * c.rmt.num_mem_tokens + n
+        tokens = b * (c.rmt.num_mem_tokens if c.pre_lnorm and c.rmt.memory_norm != "none"
+                      else q) * d * s
+        return tokens + (c.n_layer * b * (m + q) * d * s if m else 0)
+    if m == 0:
+        return 0.0
+    if c.mechanism == "lamemo" and c.lamemo.look_ahead:
+        return b * (m + n) * (d * s + c.n_layer * c.n_head * (c.d_head * s + 4))
+    return c.n_layer * b * (m + n) * d * s
+
+
+@dataclass
+class WindowMemory:
+    saved: float                 # held after the forward (the carried state's storages not)
+    peak: float                  # peak growth over the step: activations, new states, grads
+    per_segment: dict            # category -> bytes of one segment's saved tensors
+    head_transient: float        # what the head's backward allocates
+
+
+def _checkpointed(layer: list[Block], kept_in: float, dup: float) -> list[Block]:
+    """A layer under `checkpoint_layers`: only its input stays (a block of its own, freed
+    when the layer's backward is done); its last block recomputes the rest (less `dup`, the
+    input itself when the first projection saves it)."""
+    for blk in layer:
+        blk.kept = 0.0
+    layer[-1].recompute = sum(blk.saved for blk in layer) - dup
+    layer[0].saved -= dup
+    return [Block("layer input", saved=kept_in), *layer]
+
+
+def window_memory(dm: Dims, p: Params, n_segments: int, checkpoint_segments: bool) -> WindowMemory:
+    c = dm.cfg
+    seg_blocks = []
+    for first in (True, False)[:n_segments]:
+        # With segment checkpointing the previous states are alive anyway (counted below).
+        emb, layers, head = segment_blocks(dm, p, first_in_window=first or checkpoint_segments)
+        emb.add("rel-pos", positional_bytes(dm))
+        if c.checkpoint_layers:
+            # The layer's input tensor is the checkpoint's argument: XL/RMT queries' input
+            # (saved by q_net, so not recomputed); a LaMemo layer's [memory ∘ segment] output
+            # of the layer below (its rows are copied, not saved as such), h0 for layer 0.
+            row = dm.rows * c.d_model * dm.s
+            if c.mechanism == "lamemo" and c.lamemo.look_ahead:
+                ins = [(c.tgt_len * row, c.tgt_len * row)] + \
+                    [((c.tgt_len + dm.mem_len) * row, 0.0)] * (c.n_layer - 1)
+            else:
+                q = c.tgt_len + (2 * c.rmt.num_mem_tokens if c.mechanism == "rmt" else 0)
+                ins = [(q * row, q * row)] * c.n_layer
+            layers = [_checkpointed(layer, kept, dup)
+                      for layer, (kept, dup) in zip(layers, ins, strict=True)]
+        seg_blocks.append([emb, *(blk for layer in layers for blk in layer), head])
+    last = seg_blocks[-1]
+    cats: dict = {}
+    for blk in last:
+        for cat, v in blk.parts.items():
+            cats[cat] = cats.get(cat, 0.0) + v
+    state = state_bytes(dm)
+    lamemo_ctx = 0.0   # LaMemo's non-top contexts are W_o inputs, saved above
+    if c.mechanism == "lamemo" and c.lamemo.look_ahead and not c.checkpoint_layers:
+        lamemo_ctx = (c.n_layer - 1) * dm.rows * (c.tgt_len + dm.mem_len) * c.n_head * \
+            c.d_head * dm.s
+    new_state = state - lamemo_ctx
+    outputs = dm.rows * c.tgt_len * 5 + 5056                 # nll, mask, the CPU RNG state
+    held = [sum(blk.held for blk in seg) for seg in seg_blocks]
+    saved = held[0] + (n_segments - 1) * held[-1]
+    multi, buffers = n_segments > 1, 0.0
+    live = n_segments * (state + outputs) if checkpoint_segments else saved + new_state
+    peak = live
+    # Backward, last segment first. From the second one on every parameter's buffer exists
+    # and less is alive, so the later segments cannot peak higher: two are simulated.
+    for seg in [last] * min(n_segments, 2):
+        if checkpoint_segments:   # recompute the whole segment, keep it until its backward
+            live += sum(blk.held for blk in seg)
+            peak = max(peak, live + buffers)
+        for blk in reversed(seg):
+            live += blk.recompute
+            peak = max(peak, live + buffers + blk.transient)
+            live -= blk.saved
+            if multi:        # every parameter is used again in an earlier segment
+                buffers = min(buffers + blk.params, p.total * dm.s)
+            elif blk.name == "head":   # the tied weight is used again by the embedding
+                buffers += _tied(c, p) * dm.s
+    return WindowMemory(saved, peak, cats, last[-1].transient)

@@ -1,0 +1,298 @@
+"""`memtrain plan`: per-GPU memory of a run before it is submitted, and what fits.
+
+    memtrain plan --config wt103-xl-base --gpu a100-80gb --nodes 4 --gpus-per-node 8 \\
+        deepspeed.precision=bf16 data.global_batch=64
+    python -m train.memory_plan ...                     (the same command)
+
+Per GPU (one rank per GPU, as `memtrain submit` lays them out):
+- model states under the run's ZeRO stage (Rajbhandari et al. 2020, §5): fp16/bf16 training
+  holds 2 B of parameters and 2 B of gradients per parameter plus K = 12 B of optimizer state
+  (fp32 master copy, Adam m and v); fp32 training is taken as 4 + 4 + 8 (Adam m, v), plus
+  the fp32 master partition DeepSpeed keeps from stage 1 on (4 B / N_d; measured in
+  BENCHMARKS.md, "ZeRO: model-state memory per rank"). Stage 1 partitions the optimizer
+  state over the N_d data-parallel ranks, stage 2 also the gradients, stage 3 the parameters;
+- DeepSpeed's reduce bucket (and at stage 3 its prefetch bucket and one gathered tensor);
+- the memory state carried between windows and the peak of one BPTT window, from
+  train/memory_model.py (formulas derived from model/ and validated on the CPU:
+  benchmarks/bench_memory_plan.py);
+- a fixed safety margin for the CUDA context, NCCL and allocator fragmentation.
+The largest BPTT depth k and the largest mem_len that fit are searched with that model.
+Exit code 0 if the run fits, 1 if it does not (the message names what does), 2 for a bad
+config or option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from data_pipeline.shards import ShardError, load_manifest
+from memtrain.cli import CommandParser
+from model import ConfigError
+
+from .config import RunConfig, load_config
+from .engine import build_ds_config, zero_stage
+from .memory_model import Dims, Params, count_params, state_bytes, window_memory
+
+GIB = 2 ** 30
+# Memory per GPU as nvidia-smi reports it, MiB.
+GPUS = {"a100-80gb": 81920, "a100-40gb": 40960, "v100-16gb": 16160, "v100-32gb": 32510,
+        "h100-80gb": 81559}
+CATEGORIES = {"scores": "attention scores, probabilities, masks [B,H,Q,K]",
+              "rel-pos": "relative-position terms (q+v, W_kR R)",
+              "qkv": "q/k/v copies and projection inputs",
+              "ffn": "FFN hidden [B,Q,d_inner] and its masks",
+              "layernorm": "LayerNorm inputs and statistics",
+              "dropout": "dropout masks (embeddings, sub-layer outputs)",
+              "lamemo": "LaMemo look-ahead log-normalisers, alpha, contexts",
+              "head": "softmax head: log-probabilities, weight copy, targets"}
+SEARCH_CAP = 1 << 20     # depth and mem_len searches stop here
+
+
+def model_states(psi: int, stage: int, precision: str, n_d: int) -> list[tuple[str, float]]:
+    """(label, bytes per GPU) of parameters, gradients and optimizer state (module doc)."""
+    half = precision != "fp32"
+    p_b, g_b = (2, 2) if half else (4, 4)
+    opt_b = 12 if half else 8 + (4 if stage >= 1 else 0)
+    part = lambda b, from_stage: b * psi / (n_d if stage >= from_stage else 1)  # noqa: E731
+    kind = "bf16/fp16" if half else "fp32"
+    opt = "fp32 master + Adam m, v" if half or stage >= 1 else "Adam m, v"
+    return [(f"{kind} parameters ({p_b} B/param{', /N_d' if stage >= 3 else ''})",
+             part(p_b, 3)),
+            (f"{kind} gradients ({g_b} B/param{', /N_d' if stage >= 2 else ''})", part(g_b, 2)),
+            (f"{opt} ({opt_b} B/param{', /N_d' if stage >= 1 else ''})", part(opt_b, 1))]
+
+
+def zero_buffers(ds: dict, precision: str, params: Params) -> float:
+    """DeepSpeed's communication buffers, allocated whole (deepspeed/runtime/zero): the
+    gradient reduce bucket (twice with overlap_comm), and at stage 3 the prefetch bucket
+    plus the largest tensor gathered whole."""
+    stage, z = zero_stage(ds), ds.get("zero_optimization", {})
+    if stage == 0:
+        return 0.0
+    s = 4 if precision == "fp32" else 2
+    reduce = float(z.get("reduce_bucket_size", 5e8)) * s
+    if z.get("contiguous_gradients", True) is False and stage < 3:
+        reduce = 0.0
+    overlap = z.get("overlap_comm", stage == 3)
+    total = reduce * (2 if overlap else 1)
+    if stage == 3:
+        total += (float(z.get("stage3_prefetch_bucket_size", 5e7)) + params.largest_module) * s
+    return total
+
+
+@dataclasses.dataclass
+class Setup:
+    cfg: RunConfig
+    world: int
+    rows: int
+    gpu_bytes: float
+    margin: float
+    params: Params
+    static: list[tuple[str, float]]      # model states and buffers
+    episodes: tuple[int, int] | None     # (task positions, task segments) for task data
+    notes: list[str]
+
+
+def _window(setup: Setup, depth: int, mem_len: int, seg_ckpt: bool, layer_ckpt: bool):
+    """(carried state bytes, WindowMemory) of the run at this depth and mem_len; task data:
+    the largest over the curriculum stages (fewer, longer segments first)."""
+    c, b = setup.cfg, setup.cfg.bptt
+    stages = [(c.model.tgt_len, depth + 1)]
+    if setup.episodes:
+        positions, task_segs = setup.episodes
+        stages = [(positions // n, n) for n in (c.curriculum.segments or [task_segs])]
+    best = None
+    for seg_len, n_seg in stages:
+        mc = dataclasses.replace(c.model, tgt_len=seg_len, mem_len=mem_len,
+                                 checkpoint_layers=layer_ckpt)
+        dims = Dims(mc, setup.rows, mem_len, c.deepspeed.precision, "cuda")
+        w = window_memory(dims, setup.params, n_seg, seg_ckpt)
+        carried = 0.0 if setup.episodes else state_bytes(dims) * (
+            depth + 1 if b.mode == "sliding" else 1)
+        if best is None or carried + w.peak > best[0] + best[1].peak:
+            best = (carried, w)
+    return best
+
+
+def total_bytes(setup: Setup, depth: int, mem_len: int, seg_ckpt: bool, layer_ckpt: bool
+                ) -> float:
+    carried, w = _window(setup, depth, mem_len, seg_ckpt, layer_ckpt)
+    return sum(v for _, v in setup.static) + carried + w.peak + setup.margin
+
+
+def largest(fits, lo: int) -> int | None:
+    """The largest n >= lo with fits(n) (fits is monotone: True up to some n), None if
+    fits(lo) is False; capped at SEARCH_CAP."""
+    if not fits(lo):
+        return None
+    hi = max(lo, 1)
+    while hi < SEARCH_CAP and fits(hi):
+        lo, hi = hi, hi * 2
+    if hi >= SEARCH_CAP and fits(SEARCH_CAP):
+        return SEARCH_CAP
+    while hi - lo > 1:           # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def setup_for(cfg: RunConfig, gpu_mib: float, nodes: int, per_node: int,
+              margin_gib: float) -> Setup:
+    world = nodes * per_node
+    notes = []
+    rows = -(-cfg.data.global_batch // world)
+    if cfg.data.global_batch % world:
+        notes.append(f"data.global_batch {cfg.data.global_batch} is not divisible by {world} "
+                     f"ranks (memtrain submit refuses it); planned for {rows} rows per rank")
+    ds = build_ds_config(cfg, 1)  # world size 1: only the ZeRO section is read
+    params = count_params(cfg.model)
+    stage, prec = zero_stage(ds), cfg.deepspeed.precision
+    static = [(f"model states, ZeRO-{stage}: {label}", v)
+              for label, v in model_states(params.total, stage, prec, world)]
+    extra = ", prefetch, gathered tensor" if stage == 3 else ""
+    static.append((f"ZeRO-{stage} buffers (reduce bucket{extra})", zero_buffers(ds, prec, params)))
+    episodes = None
+    try:
+        m = load_manifest(cfg.data.path)
+        if m.kind == "episodes":
+            episodes = (m.chunk_tokens - 1, int(m.extra["n_segments"]))
+    except (ShardError, OSError, KeyError, ValueError):
+        notes.append(f"no manifest at {cfg.data.path}: planned as a token stream (for task "
+                     "data a window is the whole sample)")
+    if prec == "fp32":
+        notes.append("deepspeed.precision is fp32: bf16 (A100/H100) or fp16 (V100) halves "
+                     "activations and model states")
+    if cfg.model.cutoffs:
+        notes.append("adaptive softmax: tail-cluster rows assume Zipf-distributed words "
+                     "(an upper bound for natural text)")
+    return Setup(cfg, world, rows, gpu_mib * 2 ** 20, margin_gib * GIB, params, static,
+                 episodes, notes)
+
+
+def state_shape(setup: Setup, mem: int) -> str:
+    """What the carried memory holds, as shapes (train/memory_model.py `state_bytes`)."""
+    m, b = setup.cfg.model, setup.rows
+    if setup.episodes:
+        return "none (task samples start fresh)"
+    if m.mechanism == "rmt":
+        q = 2 * m.rmt.num_mem_tokens + m.tgt_len
+        text = f"RMT memory {b} x {m.rmt.num_mem_tokens} of a [{b}, {q}, {m.d_model}] tensor"
+        return text + (f", XL cache {m.n_layer} x [{b}, {mem}+{q}, {m.d_model}]" if mem else "")
+    if mem == 0:
+        return "none (mem_len 0)"
+    cache = f"[{b}, {mem}+{m.tgt_len}, {m.d_model}]"
+    if m.mechanism == "lamemo" and m.lamemo.look_ahead:
+        return (f"LaMemo embeddings {cache}, {m.n_layer} x contexts + fp32 log-normalisers "
+                f"[{b}, {mem}+{m.tgt_len}, {m.n_head}]")
+    return f"XL cache {m.n_layer} x {cache}"
+
+
+def _shown(n: int | None) -> str:
+    return "none" if n is None else (f">= {n} (search limit)" if n == SEARCH_CAP else str(n))
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:9.2f}"
+
+
+def report(setup: Setup, gpu: str, nodes: int, per_node: int) -> tuple[str, bool]:
+    c = setup.cfg
+    m, b = c.model, c.bptt
+    k, mem = b.depth, m.mem_len
+    seg, lay = b.checkpoint_segments, m.checkpoint_layers
+    carried, w = _window(setup, k, mem, seg, lay)
+    lines = [f"memtrain plan: {c.name}, {m.mechanism} {m.n_layer} x {m.d_model}, "
+             f"{setup.params.total:,} parameters",
+             f"  {nodes} x {per_node} {gpu} = {setup.world} ranks, {_gib(setup.gpu_bytes).strip()}"
+             f" GiB each; {c.deepspeed.precision}; rows per rank {setup.rows} x "
+             f"{m.tgt_len} tokens; mem_len {mem}; bptt.depth {k} ({b.mode}"
+             f"{', task samples' if setup.episodes else ''})"]
+    lines += [f"  note: {n}" for n in setup.notes]
+    lines += ["", f"{'per GPU':<72}{'GiB':>9}"]
+    lines += [f"  {label:<70}{_gib(v)}" for label, v in setup.static]
+    times = f" x {k + 1} (sliding history)" if b.mode == "sliding" and not setup.episodes else ""
+    lines.append(f"  {'memory state carried between windows' + times:<70}{_gib(carried)}")
+    lines.append(f"      {state_shape(setup, mem)}")
+    lines.append(f"  {'activations of one window (peak, configured checkpointing)':<70}"
+                 f"{_gib(w.peak)}")
+    for cat, v in sorted(w.per_segment.items(), key=lambda kv: -kv[1]):
+        lines.append(f"      {'one segment: ' + CATEGORIES[cat]:<66}{_gib(v)}")
+    lines.append(f"      {'softmax head backward (log-prob and [V, d] weight gradients)':<66}"
+                 f"{_gib(w.head_transient)}")
+    lines.append(f"  {'safety margin for CUDA context, NCCL, fragmentation (--margin-gb)':<70}"
+                 f"{_gib(setup.margin)}")
+    total = sum(v for _, v in setup.static) + carried + w.peak + setup.margin
+    fits = total <= setup.gpu_bytes
+    lines.append(f"  {'total':<70}{_gib(total)}   of {_gib(setup.gpu_bytes).strip()}: "
+                 + ("fits" if fits else "DOES NOT FIT"))
+    modes = {"none": (False, False), "checkpoint_segments": (True, False),
+             "checkpoint_layers": (False, True), "both": (True, True)}
+    lines += ["", f"window peak at bptt.depth {k} by checkpointing (GiB):"]
+    lines += [f"  {name:<70}{_gib(_window(setup, k, mem, *sl)[1].peak)}"
+              + ("   (configured)" if sl == (seg, lay) else "") for name, sl in modes.items()]
+    lines.append("")
+    if setup.episodes:
+        lines.append(f"  largest bptt.depth: not applicable (task data: a window is the whole "
+                     f"sample, {setup.episodes[1]} segments)")
+    for s_ in () if setup.episodes else (False, True):
+        fit_k = largest(lambda d, s_=s_: total_bytes(setup, d, mem, s_, lay) <= setup.gpu_bytes,
+                        0)
+        lines.append(f"  largest bptt.depth that fits, checkpoint_segments {str(s_).lower()}: "
+                     f"{_shown(fit_k)}")
+    lo = 1 if m.mechanism == "lamemo" else 0
+    fit_m = largest(lambda x: total_bytes(setup, k, x, seg, lay) <= setup.gpu_bytes, lo)
+    if m.mechanism == "rmt" and mem == 0:
+        label = "largest model.mem_len (an XL cache beside the memory tokens)"
+    else:
+        label = "largest model.mem_len"
+    lines.append(f"  {label} that fits at bptt.depth {k}: {_shown(fit_m)}")
+    return "\n".join(lines), fits
+
+
+def main_plan(argv: list[str] | None = None) -> int:
+    p = CommandParser(prog="memtrain plan", description=__doc__,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML run config, or a name in configs/")
+    p.add_argument("overrides", nargs="*", metavar="section.field=value")
+    p.add_argument("--gpu", choices=sorted(GPUS), help="GPU model (memory as nvidia-smi "
+                   "reports it)")
+    p.add_argument("--gpu-memory-gb", type=float, help="any other GPU: its memory in GiB")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus-per-node", type=int, default=1)
+    p.add_argument("--margin-gb", type=float, default=2.0, help="kept free for the CUDA "
+                   "context, NCCL and allocator fragmentation (GiB, default 2)")
+    args = p.parse_intermixed_args(argv)
+    if (args.gpu is None) == (args.gpu_memory_gb is None):
+        p.error("give either --gpu or --gpu-memory-gb")
+    if args.nodes < 1 or args.gpus_per_node < 1 or args.margin_gb < 0:
+        p.error("--nodes and --gpus-per-node must be >= 1, --margin-gb >= 0")
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"memtrain plan: invalid config: {err}", file=sys.stderr)
+        return 2
+    mib = GPUS[args.gpu] if args.gpu else args.gpu_memory_gb * 1024
+    gpu = args.gpu or f"{args.gpu_memory_gb:g}-GiB GPU"
+    setup = setup_for(cfg, mib, args.nodes, args.gpus_per_node, args.margin_gb)
+    text, fits = report(setup, gpu, args.nodes, args.gpus_per_node)
+    print(text)
+    if fits:
+        return 0
+    b, m = cfg.bptt, cfg.model
+    if setup.episodes or total_bytes(setup, 0, m.mem_len, b.checkpoint_segments,
+                                     m.checkpoint_layers) > setup.gpu_bytes:
+        what = "its window" if setup.episodes else "bptt.depth=0"
+        print(f"memtrain plan: {cfg.name} does not fit on {gpu} even at {what}: fewer rows "
+              f"per rank (data.global_batch or more ranks), a smaller model.mem_len, "
+              f"checkpointing, a higher ZeRO stage or bf16/fp16 would reduce it",
+              file=sys.stderr)
+    else:
+        print(f"memtrain plan: {cfg.name} does not fit on {gpu} at bptt.depth={b.depth}; "
+              f"the largest depth that fits is listed above", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main_plan())
