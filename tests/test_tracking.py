@@ -92,6 +92,22 @@ def test_default_store_records_params_metrics_tags_artifacts_and_status(tmp_path
     assert all(abs(r["time"] - time.time()) < 600 for r in lines)
 
 
+def test_close_without_status_leaves_a_live_training_run_running(tmp_path):
+    """An evaluation tool logging into a run whose training is still live (status.json says
+    "running") closes its own tracker with None: the run must stay RUNNING, not FAILED."""
+    run_dir = tmp_path / "run"
+    training = Tracker(run_dir, params={"lr": 1.0})
+    training.log_metrics({"train/loss": 3.0}, step=1)
+    evaluation = Tracker(run_dir, params={"lr": 1.0})
+    assert evaluation.run_id == training.run_id
+    evaluation.log_metrics({"valid/loss": 2.5}, step=1)
+    evaluation.close(None)
+    client = MlflowClient(training.tracking_uri)
+    assert client.get_run(training.run_id).info.status == "RUNNING"
+    training.close()
+    assert client.get_run(training.run_id).info.status == "FINISHED"
+
+
 def test_resume_continues_the_same_run_and_keeps_first_param_values(tmp_path):
     run_dir = tmp_path / "run"
     first = Tracker(run_dir, params={"lr": 1.0, "seed": 0})

@@ -13,7 +13,7 @@ from model import ConfigError
 
 from .checkpoint import CheckpointInfo, find_latest, read_checkpoint
 from .config import RunConfig, load_config
-from .run_dir import FINISHED, INTERRUPTED, RunDir
+from .run_dir import FINISHED, INTERRUPTED, RUNNING, RunDir
 from .tracking import Tracker
 
 
@@ -55,5 +55,8 @@ def log_to_run(cfg: RunConfig, step: int, metrics: dict[str, float] | None = Non
     for path, artifact_dir in artifacts:
         tracker.log_artifact(path, artifact_dir)
     run_state = RunDir(cfg.resolved_run_dir).read_status()
+    if run_state.get("state") == RUNNING:  # training live (or crashed): leave its MLflow status
+        tracker.close(None)
+        return
     tracker.close({FINISHED: "FINISHED", INTERRUPTED: "KILLED"}.get(
         run_state.get("state"), "FAILED" if run_state else "FINISHED"))

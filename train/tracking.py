@@ -361,10 +361,15 @@ class Tracker:
         items = [RunTag(_param_key(str(k)), _clip(str(v), MAX_TAG_VALUE)) for k, v in tags.items()]
         self._log_batch("tags", items, MAX_PARAMS_PER_BATCH)
 
-    def close(self, status: str = "FINISHED") -> None:
+    def close(self, status: str | None = "FINISHED") -> None:
+        """End this process's use of the run, recording `status`; None leaves the MLflow run's
+        status as it is (an evaluation tool logging into a run whose training is still live)."""
         if not self.enabled or self._closed:
             return
         self._closed = True
+        if status is None:
+            self._client = None
+            return
         if status not in STATUSES:  # a typo must not leave the run RUNNING forever
             log.warning("unknown run status %r; recording FAILED", status)
             status = "FAILED"
