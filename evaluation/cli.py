@@ -22,7 +22,7 @@ from model import ConfigError
 from train.config import RunConfig
 from train.distributed import device_for, resolve_env
 from train.evaluate import evaluate, headline, protocol_for
-from train.export import load_weights
+from train.export import load_weights_once
 from train.run_access import load_run_config, log_to_run, pick_checkpoint
 from train.run_dir import RunDir, atomic_write_json
 
@@ -90,7 +90,7 @@ def run_eval(cfg: RunConfig, checkpoint: str | None, track: bool = True,
         print(f"memtrain eval: no complete checkpoint in {cfg.resolved_run_dir}",
               file=sys.stderr)
         return None
-    model = load_weights(info, cfg.model).to(device)
+    model = load_weights_once(info, cfg.model, device)  # consolidated on rank 0 only
     manifest = load_manifest(cfg.data.path)
     try:
         if sweep_points:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from model import ConfigError, ModelConfig, build_model, save_model
 
@@ -83,6 +84,34 @@ def load_weights(info: CheckpointInfo, model_cfg: ModelConfig):
         raise ValueError(f"checkpoint {info.path} does not match the model code: missing "
                          f"{missing[:5]}, unexpected {unexpected[:5]}, shapes {shapes[:5]}")
     model.load_state_dict(state, strict=False)
+    return model
+
+
+def load_weights_once(info: CheckpointInfo, model_cfg: ModelConfig, device: torch.device):
+    """`load_weights` for a group of ranks: rank 0 consolidates the fp32 weights and
+    broadcasts them; the other ranks only build the model. Consolidating a ZeRO checkpoint
+    reads every rank's optimizer partition (~12 bytes per parameter), so done on each of N
+    ranks it reads the checkpoint N times, all at once, from shared storage. A failure on
+    rank 0 (wrong config, missing files) is raised on every rank, so none waits forever."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return load_weights(info, model_cfg).to(device)
+    model, failure = None, [None]
+    if dist.get_rank() == 0:
+        try:
+            model = load_weights(info, model_cfg)
+        except (ValueError, OSError, KeyError) as err:  # ConfigError is a ValueError
+            failure = [(type(err).__name__, str(err))]
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        kind, text = failure[0]
+        raise (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(
+            f"rank 0 could not load {info.path}: {text}")
+    if model is None:
+        model = build_model(model_cfg)
+    model = model.to(device)
+    with torch.no_grad():
+        for tensor in model.state_dict().values():  # every rank builds the same names in order
+            dist.broadcast(tensor, src=0)
     return model
 
 
