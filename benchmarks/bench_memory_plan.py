@@ -156,6 +156,16 @@ CASES = [
     ("rmt pre-LN m=16 M=64 k=2", _small(mechanism="rmt", mem_len=64, pre_lnorm=True,
                                         rmt={"num_mem_tokens": 16}), 4, 2, False, "fp32"),
 ]
+# WikiText-103 shapes (configs/wt103-*.yaml) with 4 of the 16 layers and 2 rows per rank
+# (data.global_batch 64 on 32 ranks): the full 267,735-word adaptive softmax and embedding.
+WT103 = dict(vocab_size=267735, n_layer=4, d_model=410, n_head=10, d_head=41, d_inner=2100,
+             tgt_len=150, mem_len=150, dropout=0.1, cutoffs=[20000, 40000, 200000],
+             tie_projs=[False, True, True, True])
+CASES += [
+    ("wt103-shape xl k=1", dict(WT103, mechanism="xl"), 2, 1, False, "fp32"),
+    ("wt103-shape rmt k=2 ckpt-seg", dict(WT103, mechanism="rmt", mem_len=0,
+                                          rmt={"num_mem_tokens": 10}), 2, 2, True, "fp32"),
+]
 QUICK = ("xl M=64 k=0", "lamemo M=64 k=0", "rmt m=16 k=0")
 
 
