@@ -18,6 +18,7 @@ With no cutoffs both modules reduce to a plain embedding / full softmax (enwik8,
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -45,6 +46,23 @@ def _cluster_layout(vocab_size: int, d_embed: int, d_proj: int, cutoffs: list[in
         raise ValueError(f"d_embed={d_embed} is too small for div_val={div_val}: cluster "
                          f"{dims.index(0)} would get d_embed // div_val**i == 0 dims")
     return ends, dims
+
+
+def _host_cluster_rows(ids: torch.Tensor, ends: list[int],
+                       device: torch.device) -> list[torch.Tensor]:
+    """Per cluster, the ascending flat positions of `ids` (a HOST tensor) that fall in it,
+    copied to `device` without blocking.
+
+    The number of rows per cluster is data-dependent, so whoever computes it from a device
+    tensor makes the host wait (`nonzero`). The training step hands the targets over from
+    the host, where the data loader made them: numpy does the routing there (`.numpy()`
+    raises on a device tensor, so this can never become a hidden device sync) and only the
+    index lists travel. Same open-ended first/last clusters as `_cluster_mask`.
+    """
+    cluster = np.searchsorted(np.asarray(ends[1:-1], dtype=np.int64),
+                              ids.detach().reshape(-1).numpy(), side="right")
+    return [torch.from_numpy(np.flatnonzero(cluster == i)).to(device, non_blocking=True)
+            for i in range(len(ends) - 1)]
 
 
 def _cluster_mask(ids: torch.Tensor, ends: list[int], i: int) -> torch.Tensor:
@@ -103,14 +121,18 @@ class AdaptiveEmbedding(nn.Module):
             return embed * self.emb_scale
 
         flat = tokens.reshape(-1)
-        proj0 = self.emb_projs[0]
-        out = torch.zeros(flat.numel(), self.d_proj, dtype=proj0.dtype, device=proj0.device)
+        out = None
         for i in range(self.n_clusters):
-            idx = _cluster_mask(flat, self.ends, i).nonzero().squeeze(1)
-            # No early exit on an empty cluster: every parameter stays in the graph (zero
-            # gradient), so DDP does not need find_unused_parameters.
-            emb_i = F.linear(self.emb_layers[i](flat[idx] - self.ends[i]), self.emb_projs[i])
-            out.index_copy_(0, idx, emb_i.to(out.dtype))
+            # Masked, fixed shapes (no host sync, issue 14): every position looks up every
+            # cluster (the others read entry 0) and torch.where keeps its own cluster's
+            # row. Costs N x sum(d_i x d_proj) MACs instead of sum(N_i x d_i x d_proj),
+            # small beside one layer. Out-of-range ids still reach a lookup and raise. Every
+            # parameter stays in the graph (zero gradient for an empty cluster), so DDP
+            # needs no find_unused_parameters.
+            mask = _cluster_mask(flat, self.ends, i)
+            local = torch.where(mask, flat - self.ends[i], torch.zeros_like(flat))
+            emb_i = F.linear(self.emb_layers[i](local), self.emb_projs[i])
+            out = emb_i if out is None else torch.where(mask[:, None], emb_i.to(out.dtype), out)
         return out.view(*tokens.shape, self.d_proj) * self.emb_scale
 
 
@@ -193,16 +215,27 @@ class AdaptiveSoftmax(nn.Module):
                              f"{tuple(hidden.shape)}")
         shape = target.shape
         hidden, target = hidden.reshape(-1, self.d_proj), target.reshape(-1)
+        rows = None
+        if self.n_clusters > 1 and target.device.type == "cpu":
+            # Targets from the host (the training step passes them so, train/bptt.py):
+            # routed there, no device sync (issue 14).
+            rows = _host_cluster_rows(target, self.ends, hidden.device)
+        # Targets may come from the host: the gathers read a non-blocking device copy.
+        target = target.to(hidden.device, non_blocking=True)
         head_logprob = F.log_softmax(_fp32(self._logits(hidden, 0)), dim=-1)
         if self.n_clusters == 1:
             return -head_logprob.gather(1, target[:, None]).squeeze(1).view(shape)
 
         nll = torch.zeros(target.shape, dtype=head_logprob.dtype, device=head_logprob.device)
-        for i in range(self.n_clusters):
+        if rows is None:
+            # Targets already on a device: `nonzero` makes the host wait once per cluster
+            # (callers outside the training step; the same numerics as the host routing).
+            rows = [_cluster_mask(target, self.ends, i).nonzero().squeeze(1)
+                    for i in range(self.n_clusters)]
+        for i, idx in enumerate(rows):
             # Vectorised per cluster: gather the rows whose target lies in cluster i, and only
             # those rows pay for that cluster's logits (the point of Grave et al. 2016).
             # Empty clusters are not skipped, so every parameter gets a (zero) gradient.
-            idx = _cluster_mask(target, self.ends, i).nonzero().squeeze(1)
             target_i = target[idx] - self.ends[i]
             if i == 0:
                 logprob = head_logprob[idx].gather(1, target_i[:, None]).squeeze(1)

@@ -152,7 +152,9 @@ class LaMemo(RelativeBackbone):
             ln_mix = torch.logaddexp(ln_old, lse_ahead)
             if self.opts.interpolate:
                 # Eq. 11 in log space: α = s→ / (s→ + s← + ε).
-                log_eps = torch.tensor(math.log(self.opts.eps), device=ln_old.device)
+                # A fill on the device (torch.tensor(x, device=) copies from the host and
+                # waits for the copy: a sync per layer and step on a GPU, issue 14).
+                log_eps = torch.full((), math.log(self.opts.eps), device=ln_old.device)
                 alpha = torch.exp(ln_old - torch.logaddexp(ln_mix, log_eps))
             else:
                 alpha = torch.zeros_like(ln_old)

@@ -110,8 +110,10 @@ class MemoryLM(nn.Module):
     def forward(self, tokens: torch.Tensor, state: MemoryState | None = None,
                 targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
                 return_log_probs: bool = False, checkpoint_segment: bool = False) -> LMOutput:
-        """tokens [B, L] -> LMOutput. targets [B, L] are the next tokens; loss_mask [B, L]
-        (bool) limits the loss to some positions (e.g. a task's answer).
+        """tokens [B, L] -> LMOutput. targets [B, L] are the next tokens, on the device or
+        on the host (the training step passes the host copy: the adaptive softmax routes its
+        clusters there without a device sync); loss_mask [B, L] (bool) limits the loss to
+        some positions (e.g. a task's answer).
 
         checkpoint_segment: keep none of this segment's activations for backward, only its
         inputs (tokens and the incoming memory), and recompute the segment during backward.
@@ -152,7 +154,8 @@ class MemoryLM(nn.Module):
             # RMT §3.4: each write output predicts a fixed reserved token, weight 0.01 in
             # the paper; which outputs are predicted is unspecified (our choice: every write row).
             write = new_state.tokens.reshape(-1, hidden.shape[-1])
-            target = torch.full((write.shape[0],), opts.mem_loss_token, device=write.device)
+            # On the host: the adaptive softmax routes host targets without a device sync.
+            target = torch.full((write.shape[0],), opts.mem_loss_token)
             out.aux_loss = self.softmax(write, target).mean()
             out.loss = out.loss + opts.mem_loss_weight * out.aux_loss
         return out

@@ -69,11 +69,15 @@ def run_window(forward, state: MemoryState | None, segments: list[SegmentBatch],
         if state is not None:
             if i in detach_before:
                 state = state.detach()
-            if bool(seg.reset.any()):
-                state = state.reset_rows(seg.reset.to(device))
+            if _any_on_host(seg.reset):
+                state = state.reset_rows(seg.reset.to(device, non_blocking=True))
+        # Host-to-device copies that do not wait (a blocking copy is a sync on a GPU). The
+        # targets go in as the host copy too: the adaptive softmax routes its clusters from
+        # it without a device sync (model/adaptive.py).
         tokens = seg.tokens.to(device, non_blocking=True)
-        mask = seg.loss_mask.to(device) if seg.loss_mask is not None else None
-        out = forward(tokens[:, :-1], state, targets=tokens[:, 1:], loss_mask=mask,
+        mask = (seg.loss_mask.to(device, non_blocking=True) if seg.loss_mask is not None
+                else None)
+        out = forward(tokens[:, :-1], state, targets=seg.tokens[:, 1:], loss_mask=mask,
                       checkpoint_segment=checkpoint_segments, return_log_probs=score)
         state = out.state
         if not counted[i]:
@@ -99,6 +103,16 @@ def run_window(forward, state: MemoryState | None, segments: list[SegmentBatch],
     return WindowResult(loss=loss, nll_sum=nll_sum.detach(), n_tokens=n_tok.detach(),
                         state=state.detach() if state is not None else None,
                         correct=correct, state_before_last=entering_last)
+
+
+def _any_on_host(flags: torch.Tensor) -> bool:
+    """Any True in the stream's reset flags, decided on the host without a device sync: the
+    stream makes them on the host (`.numpy()` raises for a device tensor, so this can never
+    wait for a device). Flags already on a device: reset_rows is a torch.where per memory
+    tensor that leaves unflagged rows unchanged, cheaper than a sync."""
+    if flags.device.type == "cpu":
+        return bool(flags.numpy().any())
+    return True
 
 
 def _hits(out, targets: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -2,10 +2,12 @@
 validation and tracking. One function, `train(cfg)`, run by every rank.
 
 Per optimizer step, each of the `grad_accum` micro-steps runs one BPTT window (bptt.py) and
-makes exactly one backward. Before the backward, one all-reduce per micro-step gathers the
-loss sums, a non-finite flag and a stop flag (SIGTERM / SIGUSR1), so every rank takes the same
-decision at the same step boundary: skip under fp16 loss scaling, stop cleanly otherwise, or
-checkpoint and leave.
+makes exactly one backward. The loss sums and a non-finite flag stay on the device; after the
+backward of the step's last micro-step (of every micro-step under fp16), one all-reduce
+gathers them with a stop flag (SIGTERM / SIGUSR1) and is read once: the step's only host
+sync (issue 14; tests/test_sync_free.py counts them), so every rank takes the same decision at
+the same step boundary: skip under fp16 loss scaling, stop cleanly otherwise, or checkpoint
+and leave.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from .bptt import TrainState, WindowPlan, run_window
 from .config import RunConfig, dump_yaml
 from .curriculum import SegmentCurriculum
 from .distributed import (
-    all_reduce_sum,
     barrier,
     device_for,
     init_process_group,
@@ -212,18 +213,33 @@ class _Loop:
         self.grad_norm: float | None = None  # ZeRO-0 only: DeepSpeed keeps no norm there
 
     # ------------------------------------------------------------------ one micro-step
+    # This rank's sums since the last read, ON THE DEVICE: [nll, counted tokens, non-finite]
+    # (class defaults: tests build the loop without __init__).
+    _pending: torch.Tensor | None = None
+    _pending_new = 0
+
     def _micro_step(self, batches) -> tuple[float, float, bool, int]:
-        """One window, one backward: (nll sum, counted tokens, stop flag, new tokens), the
-        sums over all ranks."""
+        """One window, one backward: (nll sum, counted tokens, stop flag, new tokens), summed
+        over all ranks and the micro-steps since the last read; zeros when this micro-step
+        does not read (see `_read_flags`)."""
         window = self.state.plan.next_window(batches, self.state.memory)
         res = run_window(self.engine, window.start, window.segments, self.device,
                          counted=window.counted, detach_before=window.cuts,
                          checkpoint_segments=self.cfg.bptt.checkpoint_segments)
-        finite = bool(torch.isfinite(res.loss.detach()))
-        nll, n, bad, stop, new = all_reduce_sum([float(res.nll_sum), float(res.n_tokens),
-                                                 0.0 if finite else 1.0,
-                                                 1.0 if self.signals.received else 0.0,
-                                                 float(window.new_tokens)], self.device)
+        # No host sync here: the window's sums and its non-finite flag stay on the device.
+        sums = torch.stack([res.nll_sum.double(), res.n_tokens.double(),
+                            (~torch.isfinite(res.loss.detach())).double()])
+        p = self._pending
+        self._pending = sums if p is None else torch.cat([p[:2] + sums[:2],
+                                                          torch.maximum(p[2:], sums[2:])])
+        self._pending_new += window.new_tokens
+        self.engine.backward(res.loss)
+        nll = n = 0.0
+        bad = stop = new = 0
+        # fp16: the next window's memory depends on this one being finite; otherwise the
+        # flags are needed once per optimizer step, before its update.
+        if self.fp16 or self.engine.is_gradient_accumulation_boundary():
+            nll, n, bad, stop, new = self._read_flags()
         if bad and not self.fp16:
             raise NonFiniteLoss(
                 f"non-finite loss at step {self.state.step + 1} on {int(bad)} rank(s); "
@@ -251,19 +267,39 @@ class _Loop:
                           f"rank(s) ({self.state.nonfinite_in_a_row} in a row; the run stops "
                           f"at {limit}): fp16 loss scaling skips this step and every row's "
                           "memory is reset", stacklevel=2)
-        self.engine.backward(res.loss)
         step, cfg = self.state.step + 1, self.cfg
         logs = step % cfg.log_every == 0 or step == cfg.max_steps
         if self.stage == 0 and logs and self.engine.is_gradient_accumulation_boundary():
             # Without ZeRO, DeepSpeed clips fp32 gradients itself and returns no norm; the
             # gradients are already all-reduced here, so every rank computes the same one.
-            # Only on steps that log it: it is one more pass over every gradient.
+            # Only on steps that log it: it is one more pass over every gradient. Kept on
+            # the device until the log line reads it (after the step, not before it).
             grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-            self.grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else None
+            self.grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
         self.engine.step()
         self.state.memory = (self.state.plan.after_nonfinite() if bad else
                              self.state.plan.after_step(window, res))
         return nll, n, bool(stop), int(new)
+
+    def _read_flags(self) -> tuple[float, float, float, float, float]:
+        """THE host sync of a training step (issue 14): one all-reduce of [nll sum, counted
+        tokens, non-finite ranks, stop ranks, new tokens] and one read of it. It cannot go:
+        every rank must stop (signal) at the same step, fp32/bf16 must stop before the
+        update a non-finite loss would make, and under fp16 the next window's memory
+        depends on it (after_nonfinite). It is read after the backward, so the device has
+        the whole forward + backward queued while the host waits; the loss sums ride along
+        for free (the logging steps then read nothing more). On a GPU,
+        `torch.cuda.set_sync_debug_mode("warn")` around a step should report only this."""
+        p, new = self._pending, float(self._pending_new)
+        self._pending, self._pending_new = None, 0
+        stop = 1.0 if self.signals.received else 0.0
+        # Host scalars enter as fills (kernel arguments), not as a blocking host copy.
+        vec = torch.cat([p, p.new_full((2,), stop)])
+        vec[4].fill_(new)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.all_reduce(vec)
+        nll, n, bad, stop, new = vec.tolist()
+        return nll, n, bad, stop, new
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> None:
