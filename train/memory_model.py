@@ -32,14 +32,14 @@ layer's dropout output [B,2m+L,d] (or of the memory LayerNorm's output [B,m,d]).
 
 Peak of a window (train/bptt.py `run_window`, one backward), walked block by block in
 reverse (head, each layer's FFN then attention, embedding): a block frees what it saved and,
-while it runs, adds its backward's allocations: 2·N·V fp32 log-softmax gradients, W's
-gradient and SliceBackward's zeroed [V,d] (head); the score gradient plus torch's as_strided backward of the skew
-(model/positional.py: a zeroed [B,H,Q,D] storage, int64 indices of it and of the view);
-2·[B,Q,d_inner] (FFN); [V,d] (embedding). A parameter used again in an earlier segment (all
-when k >= 1, the tied embedding always) holds a gradient buffer in the autograd engine until
-its last use. Segment checkpointing keeps each segment's memory and outputs and recomputes one
-segment at a time, layer checkpointing the same per layer. Validated on CPU:
-benchmarks/bench_memory_plan.py (BENCHMARKS.md, "Memory planner").
+while it runs, adds its backward's allocations: 2·N·V fp32 log-prob gradients, W's gradient
+and SliceBackward's zeroed [V,d] (head); the score and K, V gradients plus torch's as_strided
+backward of the skew (model/positional.py: a zeroed [B,H,Q,D] storage, int64 indices of it
+and of the view); 3·[B,Q,d_inner] (FFN: CopySlices of the in-place ReLU); [V,d] (embedding).
+A parameter used again in an earlier segment (all when k >= 1, the tied embedding always)
+holds a gradient buffer in the autograd engine until its last use. Segment checkpointing
+keeps each segment's memory and outputs and recomputes one segment at a time, layer
+checkpointing the same per layer. Validated on CPU by benchmarks/bench_memory_plan.py.
 """
 
 from __future__ import annotations
