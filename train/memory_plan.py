@@ -241,7 +241,7 @@ def report(setup: Setup, gpu: str, nodes: int, per_node: int) -> tuple[str, bool
                         0)
         lines.append(f"  largest bptt.depth that fits, checkpoint_segments {str(s_).lower()}: "
                      f"{_shown(fit_k)}")
-    lo = 1 if m.mechanism == "lamemo" else 0
+    lo = 1 if m.mechanism == "lamemo" or m.same_length else 0   # (mem_len 0 is invalid)
     fit_m = largest(lambda x: total_bytes(setup, k, x, seg, lay) <= setup.gpu_bytes, lo)
     if m.mechanism == "rmt" and mem == 0:
         label = "largest model.mem_len (an XL cache beside the memory tokens)"
