@@ -235,3 +235,71 @@ def test_model_forward_makes_no_sync(mechanism):
             out.loss.backward()
             state = out.state.detach().reset_rows(torch.tensor([True, False]))
     assert dict(counts) == {}
+
+
+# --------------------------------------------------------------------------- same numerics
+def test_host_routing_picks_the_rows_nonzero_picks_out_of_range_ids_included():
+    from model.adaptive import _cluster_mask, _host_cluster_rows
+    ends = [0, *CUTOFFS, V]
+    ids = torch.tensor([-3, 0, 7, 8, 23, 24, V - 1, V, V + 5, 3, 30, 8])
+    rows = _host_cluster_rows(ids, ends, torch.device("cpu"))
+    for i, idx in enumerate(rows):
+        assert torch.equal(idx, _cluster_mask(ids, ends, i).nonzero().squeeze(1)), i
+
+
+def _reference_nll(sm: AdaptiveSoftmax, hidden, target):
+    """The adaptive softmax's nll as it was before issue 14 (nonzero routing)."""
+    from model.adaptive import _cluster_mask, _fp32
+    head = torch.nn.functional.log_softmax(_fp32(sm._logits(hidden, 0)), dim=-1)
+    nll = torch.zeros(target.shape, dtype=head.dtype)
+    for i in range(sm.n_clusters):
+        idx = _cluster_mask(target, sm.ends, i).nonzero().squeeze(1)
+        t_i = target[idx] - sm.ends[i]
+        if i == 0:
+            lp = head[idx].gather(1, t_i[:, None]).squeeze(1)
+        else:
+            tail = torch.nn.functional.log_softmax(_fp32(sm._logits(hidden[idx], i)), dim=-1)
+            lp = head[idx, sm.shortlist + i - 1] + tail.gather(1, t_i[:, None]).squeeze(1)
+        nll.index_copy_(0, idx, -lp)
+    return nll
+
+
+def _reference_embedding(emb: AdaptiveEmbedding, tokens):
+    """The adaptive input as it was before issue 14 (nonzero routing, index_copy)."""
+    from model.adaptive import _cluster_mask
+    if emb.div_val == 1:
+        return emb(tokens)  # one table: unchanged
+    flat = tokens.reshape(-1)
+    out = torch.zeros(flat.numel(), emb.d_proj)
+    for i in range(emb.n_clusters):
+        idx = _cluster_mask(flat, emb.ends, i).nonzero().squeeze(1)
+        e = torch.nn.functional.linear(emb.emb_layers[i](flat[idx] - emb.ends[i]),
+                                       emb.emb_projs[i])
+        out.index_copy_(0, idx, e)
+    return out.view(*tokens.shape, emb.d_proj) * emb.emb_scale
+
+
+@pytest.mark.parametrize("div_val", [1, 2])
+def test_sync_free_adaptive_layers_equal_the_nonzero_reference_with_gradients(div_val):
+    torch.manual_seed(0)
+    emb = AdaptiveEmbedding(V, 16, 12, CUTOFFS, div_val=div_val)
+    sm = AdaptiveSoftmax(V, 16, 12, CUTOFFS, div_val=div_val)
+    with torch.no_grad():
+        for p in [*emb.parameters(), *sm.parameters()]:
+            p.normal_(0.0, 0.3)
+    tokens = torch.cat([torch.arange(V), torch.randint(0, V, (40,))]).view(8, -1)
+    params = [*emb.parameters(), *sm.parameters()]
+
+    def run(embed, nll):
+        hidden = embed(tokens[:, :-1])
+        out = nll(hidden.reshape(-1, 12), tokens[:, 1:].reshape(-1))
+        grads = torch.autograd.grad(out.square().sum(), params, allow_unused=True)
+        return hidden, out, grads
+
+    new = run(emb, sm.nll)
+    ref = run(lambda t: _reference_embedding(emb, t), lambda h, t: _reference_nll(sm, h, t))
+    assert torch.equal(new[0], ref[0]) and torch.equal(new[1], ref[1])  # bitwise, here
+    for g, r in zip(new[2], ref[2], strict=True):
+        assert (g is None) == (r is None)
+        if g is not None:
+            assert torch.allclose(g, r, atol=1e-5, rtol=1e-5)
