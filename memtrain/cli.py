@@ -54,6 +54,9 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "compare": ("compare.cli", "main_compare",
                 "compare MLflow runs in one self-contained HTML report (+ markdown)"),
     "export": ("train.cli", "main_export", "write a run's weights as one fp32 safetensors file"),
+    "plan": ("train.memory_plan", "main_plan",
+             "per-GPU memory before submitting: ZeRO model states, one BPTT window, the "
+             "largest bptt.depth and mem_len that fit"),
     "submit": ("cluster.submit", "main_submit", "render a run's sbatch script and submit it"),
     "jobs": ("cluster.jobs", "main_jobs", "the project's SLURM jobs: state, nodes, step, run"),
     "smoke": ("train.smoke", "main", "train tiny XL / LaMemo / RMT briefly; memory vs baseline"),
