@@ -11,9 +11,9 @@ The real training loop (`_Loop.run`: micro-step, backward, step, logging) runs o
 with the bare model behind a fake engine (as tests/test_nonfinite_steps.py drives it; what
 DeepSpeed's engine does inside backward/step is DeepSpeed's). Allowed: ONE sync per optimizer
 step, the combined all-reduced read of the stop / non-finite flags and the step's loss sums
-(train/trainer.py `_flags`: every rank must agree on stopping, fp32/bf16 must stop before the
-update, fp16 must know before the next window which memory to carry), plus what the logging
-steps read. The adaptive softmax and the model's forward make none.
+(train/trainer.py `_read_flags`: every rank must agree on stopping, fp32/bf16 must stop
+before the update, fp16 must know before the next window which memory to carry), plus what
+the logging steps read. The adaptive softmax and the model's forward make none.
 """
 
 from __future__ import annotations
