@@ -48,7 +48,6 @@ def _cluster_layout(vocab_size: int, d_embed: int, d_proj: int, cutoffs: list[in
     return ends, dims
 
 
-@torch.compiler.disable  # host work on host data: a graph break, never traced
 def _host_cluster_rows(ids: torch.Tensor, ends: list[int],
                        device: torch.device) -> list[torch.Tensor]:
     """Per cluster, the ascending flat positions of `ids` (a HOST tensor) that fall in it,
