@@ -210,7 +210,7 @@ class _Loop:
         self.curriculum = curriculum
         self.signals = StopSignal()
         self.fp16 = cfg.deepspeed.precision == "fp16"
-        self.grad_norm: float | None = None  # ZeRO-0 only: DeepSpeed keeps no norm there
+        self.grad_norm: torch.Tensor | None = None  # ZeRO-0 only: DeepSpeed keeps none
 
     # ------------------------------------------------------------------ one micro-step
     # This rank's sums since the last read, ON THE DEVICE: [nll, counted tokens, non-finite]
