@@ -4,7 +4,8 @@ rendezvous on 127.0.0.1 (gloo, the tiny model of tests/train_helpers.py), train 
 1 node x 8 ranks; SIGUSR1 to every rank (what SLURM's `--signal=USR1@...` does, per
 cluster/sbatch.py) makes all 8 checkpoint at one step; the job resumes on 2 nodes x 2 ranks
 and its losses continue as the uninterrupted 8-rank run's. At ZeRO-2 and at ZeRO-3 (whose
-resume on another world size is xfail for a DeepSpeed bug, ZERO3_UNIVERSAL_STEP_BUG below).
+resume on another world size found DeepSpeed's shared Adam step, fixed in train/resume.py:
+the Adam step count is asserted).
 
 One design keeps it to three launches per stage (8 ranks on 2 cores is mostly start-up):
 the reference 1 x 8 run goes to the end; the 4 x 2 job is stopped, so its steps before the
@@ -52,13 +53,6 @@ REL = 1e-4
 # correction runs 2 steps per step. The first step after the resume is still exact, the
 # next ones drift (rel 5e-5, then 1e-3). Workaround for train/resume.py restore(), after
 # engine.load_checkpoint: give every state its own tensor (state["step"] = step.clone()).
-ZERO3_UNIVERSAL_STEP_BUG = (
-    "DeepSpeed ZeRO-3 universal-checkpoint load shares one Adam `step` tensor between "
-    "sub-groups (Adam steps {found} after {steps} steps): resume on another world size "
-    "drifts after its first step; fix in train/resume.py restore() by cloning each "
-    "optimizer state's step after engine.load_checkpoint")
-
-
 def _adam_steps(info) -> set[int]:
     """The Adam step counts of the (rank 0) optimizer state in a ZeRO-2/3 checkpoint."""
     state = torch.load(info.path / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
@@ -174,9 +168,7 @@ def test_four_nodes_train_like_one_stop_on_usr1_and_resume_on_two_nodes(tmp_path
         where = "4x2 before the stop" if step <= stop else "2x2, first step resumed"
         assert losses[step] == pytest.approx(ref[step], rel=REL), (step, where, stop)
     adam_steps = _adam_steps(final)
-    if stage == 3 and adam_steps != {STEPS}:
-        pytest.xfail(ZERO3_UNIVERSAL_STEP_BUG.format(found=sorted(adam_steps), steps=STEPS))
-    assert adam_steps == {STEPS}
+    assert adam_steps == {STEPS}, "Adam counted another number of steps than the run made"
     for step in range(stop + 2, STEPS + 1):
         assert losses[step] == pytest.approx(ref[step], rel=REL), (step, "2x2 resumed", stop)
     # The compared runs trained: the loss fell.

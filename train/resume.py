@@ -27,6 +27,8 @@ def restore(info, engine, state: TrainState, stream, env, device) -> None:
     path, _ = engine.load_checkpoint(str(info.path.parent), tag=tag)
     if path is None:
         raise RuntimeError(f"DeepSpeed could not load checkpoint {info.path.parent / tag}")
+    if tag.endswith("_universal"):
+        _unshare_adam_steps(engine)
     payload = ckpt.load_rank_payload(info, env.rank if same_world else 0)
     state.step, state.tokens_seen = payload["step"], payload["tokens_seen"]
     if same_world:
@@ -50,6 +52,18 @@ def restore(info, engine, state: TrainState, stream, env, device) -> None:
         if env.is_main:
             warnings.warn(msg, stacklevel=2)
             print(f"WARNING: {msg}", flush=True)
+
+
+def _unshare_adam_steps(engine) -> None:
+    """DeepSpeed 0.19's ZeRO-3 universal loader gives every optimizer sub-group one shared
+    Adam `step` tensor; torch's Adam increments `step` in place once per group, so with our
+    two groups (decay / no decay) a resumed run counted two Adam steps per step and its
+    losses drifted from the uninterrupted run's (tests/test_multinode_rehearsal.py). Give
+    each group its own copy."""
+    inner = getattr(engine.optimizer, "optimizer", None)  # ZeRO-0 has no wrapped optimizer
+    for group_state in getattr(inner, "state", {}).values():
+        if isinstance(group_state.get("step"), torch.Tensor):
+            group_state["step"] = group_state["step"].clone()
 
 
 def _regroup_rows(info, state: TrainState, rows: range, device) -> None:
