@@ -183,7 +183,8 @@ def _prune(root: Path, keep_last: int) -> None:
 
 
 def read_checkpoint(path: Path) -> CheckpointInfo | None:
-    """The checkpoint in `path` if it is complete (COMPLETE marker and every rank file), else None."""
+    """The checkpoint in `path` if it is complete (COMPLETE marker and every rank file), else
+    None."""
     marker = path / MARKER
     if not marker.is_file():
         return None
