@@ -89,6 +89,7 @@ def no_cuda(monkeypatch):
                  "CUDA_VISIBLE_DEVICES", "MEMTRAIN_ALLOW_CPU"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(distributed, "node_has_nvidia_gpus", lambda: True)  # a GPU node
     calls = []
     import deepspeed
     monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: calls.append(kw))
@@ -108,6 +109,18 @@ def test_gpus_allocated_without_cuda_fail_at_start_instead_of_training_on_the_cp
     assert f"{name}={value}" in str(err.value) and "TORCH_SPEC" in str(err.value)
     with pytest.raises(ConfigError):
         distributed.device_for(0)
+
+
+def test_cuda_visible_devices_on_a_node_without_nvidia_devices_is_not_a_gpu_allocation(
+        monkeypatch, no_cuda):
+    """The deepspeed launcher sets CUDA_VISIBLE_DEVICES=0,1 on any machine, a CPU one too."""
+    monkeypatch.setattr(distributed, "node_has_nvidia_gpus", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    assert distributed.allocated_gpus() is None
+    distributed.init_process_group(distributed.DistEnv(0, 1, 0, "127.0.0.1", 1, "single"))
+    assert no_cuda[0]["dist_backend"] == "gloo"
+    monkeypatch.setenv("SLURM_JOB_GPUS", "0,1")    # SLURM's word counts on any node
+    assert distributed.allocated_gpus() == "SLURM_JOB_GPUS=0,1"
 
 
 @pytest.mark.parametrize("env", [

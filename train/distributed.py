@@ -146,14 +146,24 @@ GPU_VARIABLES = ("SLURM_GPUS_ON_NODE", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS",
 _NO_GPU = ("", "-1", "NoDevFiles", "none", "void")
 
 
+def node_has_nvidia_gpus() -> bool:
+    """NVIDIA device files on this node: what the driver creates, whatever torch was built
+    for."""
+    return os.path.exists("/dev/nvidia0") or os.path.isdir("/proc/driver/nvidia/gpus")
+
+
 def allocated_gpus(environ: dict | None = None) -> str | None:
-    """`NAME=value` of the first variable that gives this process GPUs, None if none does."""
+    """`NAME=value` of the first variable that gives this process GPUs, None if none does.
+    CUDA_VISIBLE_DEVICES counts only on a node with NVIDIA devices: the deepspeed launcher
+    sets it (0,1,...) from its own rank count on any machine, a CPU-only one included."""
     env = os.environ if environ is None else environ
     for name in GPU_VARIABLES:
         value = env.get(name, "").strip()
         if name == "SLURM_GPUS_ON_NODE":     # a count
             if value.isdigit() and int(value) > 0:
                 return f"{name}={value}"
+        elif name == "CUDA_VISIBLE_DEVICES" and not node_has_nvidia_gpus():
+            continue
         elif value not in _NO_GPU:          # GPU indices or UUIDs
             return f"{name}={value}"
     return None
