@@ -4,7 +4,8 @@
 proctrack/linuxproc, task/none, state and logs in `dir`), starts munged (if not running),
 slurmctld and slurmd, waits until the node is idle and returns the environment
 (SLURM_CONF) plus a stop function that kills the daemons by pid. Raises `SlurmUnavailable`
-with the reason when SLURM cannot be started here.
+with the reason when SLURM cannot be started here; `start_cluster_for_test(dir)` turns that
+into a skip, or a failure under MEMTRAIN_REQUIRE_SLURM=1 (CI), where the tests must run.
 """
 
 from __future__ import annotations
@@ -84,3 +85,16 @@ def start_cluster(d: Path):
         time.sleep(0.2)
     stop()
     raise SlurmUnavailable(f"node not idle (state {state!r}); see {d}/log")
+
+
+def start_cluster_for_test(d: Path):
+    """`start_cluster(d)` for a test: skip it where SLURM cannot start, fail instead when
+    MEMTRAIN_REQUIRE_SLURM=1 says the SLURM tests must run."""
+    import pytest
+
+    try:
+        return start_cluster(d)
+    except SlurmUnavailable as err:
+        if os.environ.get("MEMTRAIN_REQUIRE_SLURM") == "1":
+            pytest.fail(f"SLURM is required here (MEMTRAIN_REQUIRE_SLURM=1): {err}")
+        pytest.skip(f"SLURM cannot be started here: {err}")

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_cluster import SlurmUnavailable, start_cluster
+from slurm_cluster import start_cluster_for_test
 from train_helpers import BIN, ROOT, child_env, step_losses, tiny_config
 
 from cluster.sbatch import TRAIN_SCRIPT, SubmitOptions, render
@@ -87,12 +87,7 @@ def test_dry_run_prints_the_script_and_a_bad_run_config_fails_before_sbatch(caps
 # ----------------------------------------------------------------------------- real SLURM
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    try:
-        env, stop = start_cluster(tmp_path_factory.mktemp("slurm"))
-    except SlurmUnavailable as err:
-        if os.environ.get("MEMTRAIN_REQUIRE_SLURM") == "1":
-            pytest.fail(f"SLURM is required here (MEMTRAIN_REQUIRE_SLURM=1): {err}")
-        pytest.skip(f"SLURM cannot be started here: {err}")
+    env, stop = start_cluster_for_test(tmp_path_factory.mktemp("slurm"))
     yield env
     stop()
 

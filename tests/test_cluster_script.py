@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from slurm_cluster import SlurmUnavailable, start_cluster
+from slurm_cluster import start_cluster_for_test
 from train_helpers import ROOT, child_env
 
 from cluster.options import SubmitOptions
@@ -143,12 +143,7 @@ if who.rank == 0:
 
 @pytest.mark.slow
 def test_on_slurm_the_deepspeed_launcher_delivers_comma_values_whole(tmp_path):
-    try:
-        slurm, stop = start_cluster(tmp_path / "slurm")
-    except SlurmUnavailable as err:
-        if os.environ.get("MEMTRAIN_REQUIRE_SLURM") == "1":
-            pytest.fail(f"SLURM is required here (MEMTRAIN_REQUIRE_SLURM=1): {err}")
-        pytest.skip(f"SLURM cannot be started here: {err}")
+    slurm, stop = start_cluster_for_test(tmp_path / "slurm")
     try:
         # What srun does with DeepSpeed's kind of list for a variable that is not in its
         # own environment (a .deepspeed_env entry): cut at the comma. (Measured on SLURM
