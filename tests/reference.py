@@ -52,6 +52,17 @@ def sharpened_model(mechanism: str, mem_len: int, *, vocab: int, seg: int, seed:
     return model.eval()
 
 
+def run_segments(model, tokens, targets, seg: int, state=None):
+    """Run `tokens` [B, T] segment by segment (length `seg`), carrying the memory; return
+    (per-segment nll list, final state)."""
+    nlls = []
+    for s in range(0, tokens.shape[1], seg):
+        out = model(tokens[:, s:s + seg], state, targets=targets[:, s:s + seg])
+        nlls.append(out.nll)
+        state = out.state
+    return nlls, state
+
+
 def sinusoid_row(delta: float, d_model: int) -> torch.Tensor:
     """R_Δ = [sin(Δ f_0) .. sin(Δ f_{d/2-1}), cos(Δ f_0) ..], f_k = 10000^(-2k/d)."""
     freqs = [10000 ** (-2 * k / d_model) for k in range(d_model // 2)]

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from reference import sharpened_model
+from reference import run_segments, sharpened_model
 
 from model.attention import RelativeSelfAttention, relative_attention
 
@@ -30,12 +30,7 @@ def make_model(setup: str, impl: str):
 
 
 def run(model, tokens, targets, state=None):
-    nlls = []
-    for s in range(0, tokens.shape[1], SEG):
-        out = model(tokens[:, s:s + SEG], state, targets=targets[:, s:s + SEG])
-        nlls.append(out.nll)
-        state = out.state
-    return nlls, state
+    return run_segments(model, tokens, targets, SEG, state)
 
 
 def poison_row(state, row: int):

@@ -9,7 +9,7 @@ import io
 
 import pytest
 import torch
-from reference import sharpened_model
+from reference import run_segments, sharpened_model
 
 from model import LaMemoMemory, MemoryState, RMTMemory, XLMemory, build_model
 
@@ -42,13 +42,7 @@ def random_tokens(batch: int, n_seg: int, seed: int) -> tuple[torch.Tensor, torc
 
 
 def run(model, tokens, targets, state=None):
-    """Run segment by segment; return (per-segment nll list, final state)."""
-    nlls = []
-    for s in range(0, tokens.shape[1], SEG):
-        out = model(tokens[:, s:s + SEG], state, targets=targets[:, s:s + SEG])
-        nlls.append(out.nll)
-        state = out.state
-    return nlls, state
+    return run_segments(model, tokens, targets, SEG, state)
 
 
 def state_after(model, n_seg: int = 3, batch: int = BATCH, seed: int = 1):
