@@ -27,13 +27,8 @@ from pathlib import Path
 import numpy as np
 from common import write_json
 
-from data_pipeline.shards import (
-    Manifest,
-    id_dtype,
-    load_manifest,
-    write_manifest,
-    write_token_split,
-)
+from data_pipeline.shard_writer import write_manifest, write_token_split
+from data_pipeline.shards import Manifest, id_dtype, load_manifest
 from data_pipeline.streams import _RowReader
 
 

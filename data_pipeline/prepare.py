@@ -19,15 +19,9 @@ from tqdm import tqdm
 
 from memtrain.cli import CommandParser, error_line
 
-from .shards import (
-    Manifest,
-    ShardError,
-    id_dtype,
-    verify_split,
-    write_episode_split,
-    write_manifest,
-)
-from .shards import write_token_split as _write_tokens
+from .shard_writer import write_episode_split, write_manifest
+from .shard_writer import write_token_split as _write_tokens
+from .shards import Manifest, ShardError, id_dtype, verify_split
 
 DEFAULT_DATA_DIR = "data/raw"  # benchmarks' raw files
 

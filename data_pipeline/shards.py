@@ -20,8 +20,9 @@ and reads from there, instead of reading (and discarding) chunks 0..i-1: with 64
 start, resume and epoch. Shards read through a URL (`data.url_template`: pipe:, http,
 s3 ...) are still read from their first member (no range requests). Manifests written
 before the offsets were recorded still work the old way, with a one-time warning.
-Writing is atomic: shards and the manifest go to temporary names and are renamed when complete,
-the manifest last, so a crash never leaves a manifest that points at half-written shards.
+Writing (data_pipeline/shard_writer.py) is atomic: shards and the manifest go to temporary
+names and are renamed when complete, the manifest last, so a crash never leaves a manifest
+that points at half-written shards. This module holds the manifest types and the readers.
 """
 
 from __future__ import annotations
@@ -29,9 +30,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import tarfile
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -39,9 +39,7 @@ from urllib.request import url2pathname
 
 import numpy as np
 import webdataset as wds
-from webdataset.tariterators import base_plus_ext, group_by_keys, tar_file_iterator
-
-from .atomic import AtomicFile, atomic_write_text
+from webdataset.tariterators import group_by_keys, tar_file_iterator
 
 FORMAT = "memtrain-shards/1"
 MANIFEST = "manifest.json"
@@ -58,14 +56,14 @@ def id_dtype(vocab_size: int) -> np.dtype:
     raise ValueError(f"vocab_size {vocab_size} does not fit in uint32")
 
 
-def _sha256(*arrays: np.ndarray) -> str:
+def content_sha256(*arrays: np.ndarray) -> str:
     h = hashlib.sha256()
     for arr in arrays:
         h.update(np.ascontiguousarray(arr).tobytes())
     return h.hexdigest()
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
@@ -174,132 +172,6 @@ def load_manifest(location: str | Path) -> Manifest:
     except Exception as err:
         raise ShardError(f"cannot read manifest {url}: {err}") from err
     return Manifest.from_json(text, location)
-
-
-# ----------------------------------------------------------------------------- writing
-def _padded(n: int) -> int:
-    return -(-n // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-
-
-def group_offsets(path: Path) -> list[int]:
-    """Byte offset of each member group's first header in a tar file, then the end of its
-    last member's data: the `chunk_offsets` of a shard. Reads the headers only (seeking
-    over the data) and groups members by key the way webdataset does (base_plus_ext)."""
-    starts: list[int] = []
-    key, end = None, 0
-    with tarfile.open(path, "r:") as tar:
-        for info in tar:
-            prefix, _ = base_plus_ext(info.name)
-            if prefix != key:
-                starts.append(info.offset)
-                key = prefix
-            end = info.offset_data + _padded(info.size)
-    return starts + [end]
-
-
-class _AtomicShardWriter:
-    """Writes numbered tar shards of at most `chunks_per_shard` member groups; with
-    `record_offsets`, notes each group's byte offset for seeking readers."""
-
-    def __init__(self, out_dir: Path, split: str, chunks_per_shard: int,
-                 record_offsets: bool = False):
-        self.out_dir, self.split, self.per_shard = out_dir, split, chunks_per_shard
-        self.record_offsets = record_offsets
-        self.shards: list[ShardInfo] = []
-        self._tar = self._file = None
-        self._name = None
-        self._count = self._tokens = self._first = 0
-
-    def _open(self, first_chunk: int) -> None:
-        self._name = f"{self.split}-{len(self.shards):06d}.tar"
-        # Committed in close_shard(): a shard appears under its name only whole.
-        self._file = AtomicFile(self.out_dir / self._name)
-        self._tar = wds.TarWriter(self._file.file, mtime=0.0)  # mtime fixed: byte-reproducible
-        self._count, self._tokens, self._first = 0, 0, first_chunk
-
-    def write(self, index: int, sample: dict, n_tokens: int) -> None:
-        if self._tar is None:
-            self._open(index)
-        self._tar.write(sample)
-        self._count += 1
-        self._tokens += n_tokens
-        if self._count == self.per_shard:
-            self.close_shard()
-
-    def close_shard(self) -> None:
-        if self._tar is None:
-            return
-        self._tar.close()
-        final = self._file.commit()
-        offsets = None
-        if self.record_offsets:
-            # Taken from the written file, not from the writer's bookkeeping: they are what
-            # a reader will find, whatever header format the tar writer chose.
-            offsets = group_offsets(final)
-            if len(offsets) != self._count + 1:
-                raise ShardError(f"{final}: {len(offsets) - 1} member groups written where "
-                                 f"{self._count} chunks were expected")
-        self.shards.append(ShardInfo(path=self._name, n_tokens=self._tokens,
-                                     first_chunk=self._first, n_chunks=self._count,
-                                     sha256=_file_sha256(final), chunk_offsets=offsets))
-        self._tar = None
-
-
-def write_token_split(out_dir: Path, split: str, pieces: Iterable[np.ndarray], dtype: np.dtype,
-                      chunk_tokens: int, chunks_per_shard: int, progress=None) -> SplitInfo:
-    """Re-cut the id pieces of one split into fixed chunks and write them as shards."""
-    writer = _AtomicShardWriter(out_dir, split, chunks_per_shard, record_offsets=True)
-    buf = np.empty(chunk_tokens, dtype=dtype)
-    fill = chunk = total = 0
-
-    def flush(n: int) -> None:
-        nonlocal chunk
-        arr = buf[:n].copy()
-        meta = {"split": split, "chunk": chunk, "offset": chunk * chunk_tokens, "n": n,
-                "sha256": _sha256(arr)}
-        writer.write(chunk, {"__key__": f"{split}-{chunk:09d}", "tokens.npy": arr,
-                             "meta.json": meta}, n)
-        chunk += 1
-
-    for piece in pieces:
-        piece = np.asarray(piece)
-        if piece.size and (piece.min() < 0 or int(piece.max()) > np.iinfo(dtype).max):
-            raise ValueError(f"{split}: token ids outside {dtype} range")
-        pos = 0
-        while pos < piece.size:
-            take = min(chunk_tokens - fill, piece.size - pos)
-            buf[fill:fill + take] = piece[pos:pos + take]
-            fill, pos, total = fill + take, pos + take, total + take
-            if fill == chunk_tokens:
-                flush(fill)
-                fill = 0
-            if progress is not None:
-                progress(take)
-    if fill:
-        flush(fill)
-    writer.close_shard()
-    if total == 0:
-        raise ShardError(f"split {split!r} is empty: nothing to write")
-    return SplitInfo(n_tokens=total, shards=writer.shards)
-
-
-def write_episode_split(out_dir: Path, split: str, tokens: np.ndarray, loss_mask: np.ndarray,
-                        answer_mask: np.ndarray, samples_per_shard: int) -> SplitInfo:
-    writer = _AtomicShardWriter(out_dir, split, samples_per_shard)
-    for i in range(tokens.shape[0]):
-        row, loss, answer = (np.ascontiguousarray(a[i]) for a in (tokens, loss_mask,
-                                                                   answer_mask))
-        meta = {"split": split, "index": i, "sha256": _sha256(row, loss, answer)}
-        writer.write(i, {"__key__": f"{split}-{i:09d}", "tokens.npy": row,
-                         "loss_mask.npy": loss, "answer_mask.npy": answer,
-                         "meta.json": meta}, 1)
-    writer.close_shard()
-    return SplitInfo(n_tokens=int(tokens.shape[0]), shards=writer.shards)
-
-
-def write_manifest(out_dir: Path, manifest: Manifest) -> Path:
-    # Written after every shard was renamed into place: the manifest appears last, and whole.
-    return atomic_write_text(out_dir / MANIFEST, manifest.to_json())
 
 
 # ----------------------------------------------------------------------------- reading
@@ -412,7 +284,7 @@ def iter_chunks(manifest: Manifest, split: str, first_chunk: int = 0,
                                  f"{meta.get('split')!r} where the manifest expects chunk "
                                  f"{expect} of {split!r}: manifest and shards disagree")
             ids = _decode_npy(sample["tokens.npy"])
-            if ids.size != meta["n"] or _sha256(ids) != meta["sha256"]:
+            if ids.size != meta["n"] or content_sha256(ids) != meta["sha256"]:
                 raise ShardError(f"{url}: chunk {expect} fails its checksum (corrupted "
                                  "shard); run `memtrain prepare` again")
             yield expect, ids
@@ -438,7 +310,7 @@ def read_episodes(manifest: Manifest, split: str, url_template: str | None = Non
                                                            "answer_mask.npy")]
             except (KeyError, ValueError) as err:
                 raise ShardError(f"{url}: sample {index} is unreadable ({err})") from err
-            if meta.get("index") != index or _sha256(*arrays) != meta.get("sha256"):
+            if meta.get("index") != index or content_sha256(*arrays) != meta.get("sha256"):
                 raise ShardError(f"{url}: sample {index} is corrupted or out of place")
             tokens.append(arrays[0])
             loss.append(arrays[1])
@@ -459,7 +331,7 @@ def verify_split(manifest: Manifest, split: str) -> None:
         path = Path(manifest.shard_url(shard))
         if not path.exists():
             raise ShardError(f"missing shard {path}")
-        actual = _file_sha256(path)
+        actual = file_sha256(path)
         if actual != shard.sha256:
             raise ShardError(f"{path}: sha256 {actual[:12]} != manifest {shard.sha256[:12]}")
 

@@ -44,7 +44,8 @@ def write_repeat_corpus(out_dir, *, block: int = 12, filler: int = 4, n_symbols:
     seeds), so that a run needs no download. Returns the manifest."""
     from pathlib import Path
 
-    from .shards import Manifest, id_dtype, write_manifest, write_token_split
+    from .shard_writer import write_manifest, write_token_split
+    from .shards import Manifest, id_dtype
     from .vocab import fingerprint
 
     out = Path(out_dir)

@@ -9,13 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from data_pipeline.shards import (
-    Manifest,
-    id_dtype,
-    load_manifest,
-    write_manifest,
-    write_token_split,
-)
+from data_pipeline.shard_writer import write_manifest, write_token_split
+from data_pipeline.shards import Manifest, id_dtype, load_manifest
 from data_pipeline.streams import SegmentBatch, TokenStream
 from data_pipeline.vocab import fingerprint
 from model import ModelConfig, build_model

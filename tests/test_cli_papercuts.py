@@ -15,13 +15,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from data_pipeline.shards import (
-    Manifest,
-    id_dtype,
-    load_manifest,
-    write_manifest,
-    write_token_split,
-)
+from data_pipeline.shard_writer import write_manifest, write_token_split
+from data_pipeline.shards import Manifest, id_dtype, load_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 

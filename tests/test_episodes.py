@@ -7,13 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from data_pipeline.shards import (
-    Manifest,
-    ShardError,
-    load_manifest,
-    write_episode_split,
-    write_manifest,
-)
+from data_pipeline.shard_writer import write_episode_split, write_manifest
+from data_pipeline.shards import Manifest, ShardError, load_manifest
 from data_pipeline.streams import EpisodeStream, LayoutError
 
 N, T, N_SEG = 24, 12, 3  # 24 samples of 12 positions, 3 segments of 4

@@ -14,13 +14,8 @@ import pytest
 
 from data_pipeline import atomic
 from data_pipeline.atomic import AtomicFile, atomic_write_json, atomic_write_text
-from data_pipeline.shards import (
-    Manifest,
-    id_dtype,
-    load_manifest,
-    write_manifest,
-    write_token_split,
-)
+from data_pipeline.shard_writer import write_manifest, write_token_split
+from data_pipeline.shards import Manifest, id_dtype, load_manifest
 from data_pipeline.streams import TokenStream
 from data_pipeline.vocab import ByteVocab, fingerprint
 from train.run_dir import RunDir, read_json, shared_store_uri

@@ -13,16 +13,14 @@ import pytest
 import torch
 
 from data_pipeline import shards as shards_mod
+from data_pipeline.shard_writer import group_offsets, write_manifest, write_token_split
 from data_pipeline.shards import (
     Manifest,
     ShardError,
     _groups_from,
-    group_offsets,
     id_dtype,
     iter_chunks,
     load_manifest,
-    write_manifest,
-    write_token_split,
 )
 from data_pipeline.streams import TokenStream, _RowReader
 

@@ -11,15 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from data_pipeline.shards import (
-    Manifest,
-    ShardError,
-    id_dtype,
-    load_manifest,
-    verify_split,
-    write_manifest,
-    write_token_split,
-)
+from data_pipeline.shard_writer import write_manifest, write_token_split
+from data_pipeline.shards import Manifest, ShardError, id_dtype, load_manifest, verify_split
 from data_pipeline.streams import LayoutError, TokenStream
 
 N_TOKENS = 1000

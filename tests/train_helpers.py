@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from data_pipeline.shards import Manifest, id_dtype, write_manifest, write_token_split
+from data_pipeline.shard_writer import write_manifest, write_token_split
+from data_pipeline.shards import Manifest, id_dtype
 from data_pipeline.vocab import fingerprint
 
 ROOT = Path(__file__).resolve().parents[1]
