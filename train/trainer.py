@@ -292,9 +292,10 @@ class _Loop:
         `torch.cuda.set_sync_debug_mode("warn")` around a step should report only this."""
         p, new = self._pending, float(self._pending_new)
         self._pending, self._pending_new = None, 0
-        stop = 1.0 if self.signals.received else 0.0
+        vec = p.new_empty(5)
+        vec[:3] = p
         # Host scalars enter as fills (kernel arguments), not as a blocking host copy.
-        vec = torch.cat([p, p.new_full((2,), stop)])
+        vec[3].fill_(1.0 if self.signals.received else 0.0)
         vec[4].fill_(new)
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(vec)
