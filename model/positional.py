@@ -51,7 +51,8 @@ def skew(scores: torch.Tensor, n_k: int, start: int = 0) -> torch.Tensor:
 
     out[..., i, j] = scores[..., i, j + Q-1-i - start]. This is XL's `_rel_shift` written as
     one strided view: on the flat row-major buffer that element sits at
-    (Q-1-start) + i*(D-1) + j, i.e. a view with row stride D-1.
+    (Q-1-start) + i*(D-1) + j, i.e. a view with row stride D-1 (no copy when the scores
+    are contiguous, as a matmul's output is).
 
     `start` > 0 means the caller dropped the first `start` distances of the full list (the
     largest ones), e.g. a look-ahead branch whose keys all lie right of their query. Needs
@@ -63,7 +64,8 @@ def skew(scores: torch.Tensor, n_k: int, start: int = 0) -> torch.Tensor:
         raise ValueError(f"skew needs at least n_k={n_k} distances, got {n_d} + {start}")
     if not 0 <= start <= n_q - 1:
         raise ValueError(f"skew start must be in [0, {n_q - 1}], got {start}")
-    scores = scores.contiguous()
-    size = (*batch, n_q, n_k)
-    stride = (*scores.stride()[:-2], n_d - 1, 1)
-    return scores.as_strided(size, stride, scores.storage_offset() + n_q - 1 - start)
+    # Row i of the result starts (n_d - 1) elements after row i-1 on the flat [Q * D] row
+    # buffer: `unfold` with step n_d - 1 is exactly that view. (An `as_strided` needs the
+    # tensor's storage offset, which torch.compile cannot trace without a graph break.)
+    flat = scores.reshape(*batch, n_q * n_d)[..., n_q - 1 - start:]
+    return flat.unfold(-1, n_k, n_d - 1)[..., :n_q, :]
