@@ -24,6 +24,7 @@ from .backbone import Lengths
 from .config import ModelConfig
 from .lamemo import LaMemo
 from .memory import MemoryState
+from .recompute import context_fn
 from .rmt import RMT
 from .transformer_xl import TransformerXL
 
@@ -109,7 +110,8 @@ class MemoryLM(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, tokens: torch.Tensor, state: MemoryState | None = None,
                 targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
-                return_log_probs: bool = False, checkpoint_segment: bool = False) -> LMOutput:
+                return_log_probs: bool = False, checkpoint_segment: bool = False,
+                recompute: str = "full") -> LMOutput:
         """tokens [B, L] -> LMOutput. targets [B, L] are the next tokens, on the device or
         on the host (the training step passes the host copy: the adaptive softmax routes its
         clusters there without a device sync); loss_mask [B, L] (bool) limits the loss to
@@ -120,10 +122,16 @@ class MemoryLM(nn.Module):
         Across a BPTT window this leaves only the memory passed between segments alive, so
         peak memory hardly grows with the depth k. Non-reentrant checkpointing: one backward
         per step (what ZeRO-2/3 require); the RNG state is restored so dropout recomputes
-        identically."""
+        identically.
+
+        recompute: what a checkpointed segment keeps besides its inputs, so that its re-run
+        skips those ops ("full": nothing; "save-ffn-out", "save-linear", "save-matmul":
+        model/recompute.py). Ignored without checkpoint_segment."""
         if checkpoint_segment and torch.is_grad_enabled():
+            ctx = context_fn(recompute, self.cfg.d_inner)
+            extra = {} if ctx is None else {"context_fn": ctx}
             return checkpoint(self._forward, tokens, state, targets, loss_mask,
-                              return_log_probs, use_reentrant=False)
+                              return_log_probs, use_reentrant=False, **extra)
         return self._forward(tokens, state, targets, loss_mask, return_log_probs)
 
     def _forward(self, tokens, state, targets, loss_mask, return_log_probs) -> LMOutput:

@@ -49,7 +49,8 @@ class WindowResult:
 def run_window(forward, state: MemoryState | None, segments: list[SegmentBatch],
                device: torch.device, *, counted: list[bool] | None = None,
                detach_before: set[int] | frozenset = frozenset(),
-               checkpoint_segments: bool = False, score: bool = False) -> WindowResult:
+               checkpoint_segments: bool = False, recompute: str = "full",
+               keep_last_segments: int = 0, score: bool = False) -> WindowResult:
     """Thread the memory through `segments`; sum the losses of the `counted` ones.
 
     forward(tokens, state, targets=, loss_mask=, checkpoint_segment=) is the engine (or the
@@ -57,12 +58,20 @@ def run_window(forward, state: MemoryState | None, segments: list[SegmentBatch],
     samples longer than k+1 segments). The state entering the window is always detached:
     the previous window's graph has been freed by its backward. `score` also counts
     teacher-forced correct predictions (task accuracy; needs the full log-probabilities).
+
+    With `checkpoint_segments`, `recompute` says what each checkpointed segment keeps
+    (model/recompute.py) and the last `keep_last_segments` segments are not checkpointed.
+    The last one costs no peak memory that way: its backward runs first, right after the
+    forward, and a checkpointed segment would hold the same activations while it runs.
     """
     counted = counted or [True] * len(segments)
     state = state.detach() if state is not None else None
     nll_sum = n_tok = aux = correct = None
     n_aux = 0
     entering_last = None
+    n_ckpt = len(segments) - keep_last_segments if checkpoint_segments else 0
+    # A forward that is not the model's (a test's stand-in) need not know `recompute`.
+    extra = {"recompute": recompute} if recompute != "full" else {}
     for i, seg in enumerate(segments):
         if i == len(segments) - 1:
             entering_last = state.detach() if state is not None else None
@@ -78,7 +87,7 @@ def run_window(forward, state: MemoryState | None, segments: list[SegmentBatch],
         mask = (seg.loss_mask.to(device, non_blocking=True) if seg.loss_mask is not None
                 else None)
         out = forward(tokens[:, :-1], state, targets=seg.tokens[:, 1:], loss_mask=mask,
-                      checkpoint_segment=checkpoint_segments, return_log_probs=score)
+                      checkpoint_segment=i < n_ckpt, return_log_probs=score, **extra)
         state = out.state
         if not counted[i]:
             continue

@@ -22,6 +22,7 @@ import yaml
 # ConfigError is re-exported from here for the layers above (cluster/, the command lines),
 # which build on the run config and need not know where in model/ it is defined.
 from model import ModelConfig
+from model.recompute import RECOMPUTE_POLICIES
 from model.typed import ConfigError, build_dataclass
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +63,20 @@ class BPTTConfig:
     # Activation checkpointing around every segment of a window: what stays alive across the
     # window is the memory passed between segments, so peak memory is nearly flat in k.
     checkpoint_segments: bool = False
+    # What a checkpointed segment keeps besides its inputs, so that its recompute inside the
+    # backward skips those ops (model/recompute.py; needs checkpoint_segments):
+    #   full          nothing: the whole segment is recomputed (least memory)
+    #   save-ffn-out  the FFN's d_inner -> d_model matmul output, every layer
+    #   save-linear   every linear-layer matmul output (q, k/v, positions, W_o, FFN, head)
+    #   save-matmul   save-linear plus the attention matmuls (score matrices)
+    # Dropout is always recomputed, with its RNG state restored (identical masks).
+    # Measured time vs peak memory of each: benchmarks/results/selective_recompute.md.
+    recompute: str = "full"
+    # The last N segments of every window are not checkpointed (keep all activations).
+    # N = 1 is free in peak memory (the last segment's backward runs first; recomputing it
+    # would hold the same activations) and saves 1/(k+1) of the recompute time; every
+    # further one costs a whole segment's activations. Needs checkpoint_segments.
+    keep_last_segments: int = 0
     # sliding only: also count the re-run segments' losses (the RMT code's --bptt_bp).
     loss_on_rerun: bool = False
 
@@ -211,6 +226,15 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(b.depth >= 0, "bptt.depth", f"must be >= 0, got {b.depth}")
     _check(b.mode in BPTT_MODES, "bptt.mode", f"unknown {b.mode!r}; choose "
            f"{' or '.join(BPTT_MODES)}")
+    _check(b.recompute in RECOMPUTE_POLICIES, "bptt.recompute", f"unknown {b.recompute!r}; "
+           f"choose {', '.join(RECOMPUTE_POLICIES)}")
+    _check(b.keep_last_segments >= 0, "bptt.keep_last_segments",
+           f"must be >= 0, got {b.keep_last_segments}")
+    if not b.checkpoint_segments:
+        _check(b.recompute == "full", "bptt.recompute", f"{b.recompute!r} applies to "
+               "checkpointed segments; set bptt.checkpoint_segments: true or leave it 'full'")
+        _check(b.keep_last_segments == 0, "bptt.keep_last_segments", "applies to "
+               "checkpointed segments; set bptt.checkpoint_segments: true or leave it 0")
 
     c = cfg.curriculum
     if c.segments:

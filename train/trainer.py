@@ -225,7 +225,9 @@ class _Loop:
         window = self.state.plan.next_window(batches, self.state.memory)
         res = run_window(self.engine, window.start, window.segments, self.device,
                          counted=window.counted, detach_before=window.cuts,
-                         checkpoint_segments=self.cfg.bptt.checkpoint_segments)
+                         checkpoint_segments=self.cfg.bptt.checkpoint_segments,
+                         recompute=self.cfg.bptt.recompute,
+                         keep_last_segments=self.cfg.bptt.keep_last_segments)
         # No host sync here: the window's sums and its non-finite flag stay on the device.
         sums = torch.stack([res.nll_sum.double(), res.n_tokens.double(),
                             (~torch.isfinite(res.loss.detach())).double()])
