@@ -6,12 +6,16 @@ code and the slides):
     A_ij = (q_i + u)^T k_j  +  (q_i + v)^T W_{k,R} R_{i-j}          scaled by 1/sqrt(d_head)
            \\_ (a) + (c) _/     \\________ (b) + (d) _________/
 
-Two interchangeable paths compute softmax(A) V:
+Two settings of `impl` compute softmax(A) V:
 - "plain": both terms as matmuls, masked softmax, dropout, matmul. The reference.
-- "fused": only the positional term is materialised, as an additive bias (plus -inf for
-  masked keys), and torch's scaled_dot_product_attention does the rest.
-LaMemo needs each query's log-normaliser logsumexp_j A_ij; it is returned on request by the
-plain path (the fused kernels do not expose it differentiably).
+- "fused": the fastest exact kernel for the device, picked by
+  `attention_kernels.choose_kernel`: on CUDA torch's scaled_dot_product_attention with the
+  positional term as an additive bias (plus -inf for masked keys; head padded for the fused
+  kernel), elsewhere and whenever the log-normaliser is needed the one-pass kernel
+  `relative_softmax` (one fp32 [B, H, Q, K] buffer, custom backward).
+LaMemo needs each query's log-normaliser logsumexp_j A_ij (with its gradient, Eq. 11); it is
+returned on request by the plain and one-pass paths (SDPA kernels do not expose it
+differentiably).
 
 For analyses, `RelativeSelfAttention.attn_log` set to a list records every call's
 probabilities with an `AttnLayout` saying which rows and columns are memory, segment, or
@@ -27,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention_kernels import choose_kernel, relative_softmax, sdpa_relative
 from .positional import skew
 
 
@@ -123,21 +128,27 @@ def relative_attention(
     qh = q.transpose(1, 2)  # [B, H, Q, dh]
     kh = k.transpose(1, 2)
     vh = v.transpose(1, 2)
+    mask = allowed[:, None] if allowed.dim() == 3 else allowed  # [B|1, 1, Q, K]
+    kernel = choose_kernel(impl, q.device.type, need_lse=need_lse, record=probs is not None)
     # The 1/sqrt(d_head) scale (Vaswani et al. 2017 §3.2.1; XL §3.3 keeps it) is applied to
     # the query side BEFORE each matmul: the same scores, but in fp16 (V100) the unscaled
     # products (q+u)^T k and (q+v)^T W R can exceed 65504 and become inf before any later
     # scaling could bring them back, while the scaled ones are sqrt(d_head) times smaller.
+    if kernel == "one_pass":
+        prob32, lse = relative_softmax((qh + u_bias[:, None, :]) * scale, kh,
+                                       (qh + v_bias[:, None, :]) * scale, r.permute(1, 2, 0),
+                                       mask, skew_start)
+        out = _weighted_values(prob32, vh, dropatt)
+        return out.transpose(1, 2), lse.transpose(1, 2) if need_lse else None
+
     # (b) + (d): one matmul against the distance list, then the skew picks R_{i-j}.
     bd = skew(torch.matmul((qh + v_bias[:, None, :]) * scale, r.permute(1, 2, 0)), n_k,
               skew_start)
-    mask = allowed[:, None] if allowed.dim() == 3 else allowed  # [B|1, 1, Q, K]
-
-    if impl == "fused" and not need_lse and probs is None:
-        bias = bd.masked_fill(~mask, float("-inf"))
+    if kernel == "sdpa":
         # The content term's scale stays inside the kernel (fp32 accumulation in the GPU
         # kernels; the math fallback splits it over q and k before its matmul).
-        out = F.scaled_dot_product_attention(qh + u_bias[:, None, :], kh, vh, attn_mask=bias,
-                                             dropout_p=dropatt, scale=scale)
+        out = sdpa_relative(qh + u_bias[:, None, :], kh, vh, bd.masked_fill(~mask, float("-inf")),
+                            dropatt=dropatt, scale=scale)
         return out.transpose(1, 2), None
 
     # (a) + (c): content addressing plus the global content bias u. The two terms are
@@ -156,11 +167,15 @@ def relative_attention(
         prob32 = torch.softmax(scores.float(), dim=-1)
     if probs is not None:
         probs.append(prob32.detach())
+    return _weighted_values(prob32, vh, dropatt).transpose(1, 2), lse
+
+
+def _weighted_values(prob32: torch.Tensor, vh: torch.Tensor, dropatt: float) -> torch.Tensor:
+    """Dropout(p) V, the probabilities cast to the values' dtype (fp16/bf16 under autocast)."""
     prob = prob32.to(vh.dtype)
     if dropatt > 0:
         prob = F.dropout(prob, p=dropatt, training=True)
-    out = torch.matmul(prob, vh)
-    return out.transpose(1, 2), lse
+    return torch.matmul(prob, vh)
 
 
 class RelativeSelfAttention(nn.Module):
