@@ -2,9 +2,7 @@
 
 Checkpointing a segment (`MemoryLM.forward(..., checkpoint_segment=True)`) keeps only its
 inputs and re-runs its whole forward inside the backward. A selective policy keeps the
-outputs of some ops as well, so the re-run skips them (torch's selective activation
-checkpointing: `create_selective_checkpoint_contexts`, non-reentrant, one backward per step,
-which every ZeRO stage accepts):
+outputs of some ops as well, so the re-run skips them:
 
     full           nothing but the inputs; everything is recomputed (the default)
     save-ffn-out   the FFN's second matmul (d_inner -> d_model) in every layer
@@ -22,6 +20,18 @@ segment's forward, addmm 32%, mm 17%, bmm 15%, dropout's bernoulli_ 22%, the res
 pointwise; the FFN-out matmul saves 5.2 ms per MB kept, the other linear ones 1.3-1.5,
 bmm 0.5.
 
+How: `torch.utils.checkpoint.checkpoint(..., use_reentrant=False, context_fn=...)` (one
+backward per step, what every ZeRO stage needs) with two dispatch modes of our own, the
+mechanism of torch's `create_selective_checkpoint_contexts` with two differences:
+- torch's recompute mode requires the re-run to call exactly the forward's ops in order,
+  and under ZeRO-3 it does not: DeepSpeed's hooks re-gather the parameters with other ops
+  ("aten.empty encountered during backward but not found in storage"). Here only the kept
+  ops are matched, one by one per op, with their input shapes checked; any other op runs.
+- torch hands the model the very tensor it keeps, and the model changes some matmul
+  outputs in place (the FFN's ReLU(inplace=True) on W1's output; the one-pass attention
+  kernel adds the positional term to the content scores in place), so the re-run would
+  read changed values. Here the model gets a copy (a memcpy, small beside the matmul).
+
 Dropout is recomputed under every policy: checkpoint restores the RNG state before the
 re-run and no policy skips a random op, so every mask is drawn again from the same RNG
 sequence and is identical (skipping some random ops but not others would shift the
@@ -31,10 +41,12 @@ with the in-place bernoulli_ into an empty_like tensor whose handle the C++ code
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 RECOMPUTE_POLICIES = ("full", "save-ffn-out", "save-linear", "save-matmul")
 
@@ -48,36 +60,63 @@ _ATTENTION = tuple(getattr(_aten, name).default for name in (
     if hasattr(_aten, name))
 
 
-class _Policy:
-    """One checkpointed call's policy: MUST_SAVE for `saved_ops` (with `reduction`: only a
-    matmul whose reduction size, the first operand's last dim, is `reduction`), recompute
-    the rest; a fresh one per call (it remembers what that call saved).
+class _Rule:
+    """Keep the outputs of `ops`; with `reduction`, only of a matmul whose reduction size
+    (its first matrix operand's last dim) is `reduction`."""
 
-    A kept output must not change before the backward, or the recompute would read other
-    values than the forward did. The one in-place op model/ applies to a matmul output is
-    the FFN's ReLU(inplace=True) on W1's output: idempotent, so the recompute's relu_ on the
-    kept, already rectified values gives the same tensor; torch's mutation check is switched
-    off for that reason, and any other in-place op on a kept output raises here instead."""
+    def __init__(self, ops: tuple, reduction: int | None):
+        self.ops, self.reduction = ops, reduction
 
-    def __init__(self, saved_ops: tuple, reduction: int | None):
-        self.saved_ops, self.reduction = saved_ops, reduction
-        self.kept: set[int] = set()   # data pointers of the outputs saved so far
-
-    def __call__(self, ctx, func, *args, **kwargs):
-        if func in self.saved_ops:
-            mat1 = args[1] if func == _aten.addmm.default else args[0]
-            if self.reduction is None or mat1.shape[-1] == self.reduction:
-                outs = ctx.op_output if isinstance(ctx.op_output, tuple) else (ctx.op_output,)
-                self.kept.update(t.data_ptr() for t in outs if isinstance(t, torch.Tensor))
-                return CheckpointPolicy.MUST_SAVE
-        elif (func._schema.is_mutable and func not in _IDEMPOTENT and args
-              and isinstance(args[0], torch.Tensor) and args[0].data_ptr() in self.kept):
-            raise RuntimeError(f"{func} changes a tensor that selective recompute keeps for "
-                               "the backward; this policy cannot be used with this model")
-        return CheckpointPolicy.PREFER_RECOMPUTE
+    def __call__(self, func, args) -> bool:
+        if func not in self.ops:
+            return False
+        if self.reduction is None:
+            return True
+        mat1 = args[1] if func == _aten.addmm.default else args[0]
+        return mat1.shape[-1] == self.reduction
 
 
-_IDEMPOTENT = (_aten.relu_.default,)
+def _shapes(args) -> tuple:
+    return tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
+
+
+class _Keep(TorchDispatchMode):
+    """Forward of a checkpointed segment: keep what the rule says, hand the model a copy."""
+
+    def __init__(self, rule: _Rule, store: dict):
+        super().__init__()
+        self.rule, self.store = rule, store
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.rule(func, args):
+            return out
+        self.store[func].append((_shapes(args), out))
+        return tree_map_only(torch.Tensor, torch.clone, out)
+
+
+class _Reuse(TorchDispatchMode):
+    """Recompute inside the backward: a kept op returns what the forward kept (once, then
+    released); every other op runs."""
+
+    def __init__(self, rule: _Rule, store: dict):
+        super().__init__()
+        self.rule, self.store = rule, store
+        self.used: dict = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.rule(func, args):
+            return func(*args, **(kwargs or {}))
+        kept, i = self.store[func], self.used[func]
+        self.used[func] += 1
+        if i >= len(kept) or kept[i] is None or kept[i][0] != _shapes(args):
+            raise RuntimeError(f"selective recompute: call {i} of {func} in the recompute "
+                               "does not match the forward (or a second backward through "
+                               "the same checkpoint); the segment's forward must be "
+                               "deterministic in its matmuls")
+        out = kept[i][1]
+        kept[i] = None   # the backward owns it now; freed when it is done with it
+        return out
 
 
 def check_policy(policy: str) -> None:
@@ -93,8 +132,9 @@ def context_fn(policy: str, d_inner: int) -> Callable | None:
         return None
     ops, reduction = {"save-ffn-out": (_LINEAR, d_inner), "save-linear": (_LINEAR, None),
                       "save-matmul": (_LINEAR + _ATTENTION, None)}[policy]
+    rule = _Rule(ops, reduction)
 
     def contexts():
-        return create_selective_checkpoint_contexts(_Policy(ops, reduction),
-                                                    allow_cache_entry_mutation=True)
+        store: dict = defaultdict(list)   # one per checkpointed call: op -> [(shapes, out)]
+        return _Keep(rule, store), _Reuse(rule, store)
     return contexts
