@@ -167,8 +167,25 @@ def setup_for(cfg: RunConfig, gpu_mib: float, nodes: int, per_node: int,
     if cfg.model.cutoffs:
         notes.append("adaptive softmax: tail-cluster rows assume Zipf-distributed words "
                      "(an upper bound for natural text)")
+    notes += recompute_notes(cfg)
     return Setup(cfg, world, rows, gpu_mib * 2 ** 20, margin_gib * GIB, params, static,
                  episodes, notes)
+
+
+def recompute_notes(cfg: RunConfig) -> list[str]:
+    """What the activation model leaves out: it counts checkpointed segments as keeping only
+    their inputs (bptt.recompute 'full') and every segment of a window as checkpointed."""
+    b, notes = cfg.bptt, []
+    if b.checkpoint_segments and b.recompute != "full":
+        notes.append(f"bptt.recompute {b.recompute}: the window figures are for full "
+                     f"recompute; {b.recompute} also keeps matmul outputs in every checkpointed "
+                     "segment (not modelled here; measured: benchmarks/results/"
+                     "selective_recompute.md), so its peak is higher and grows with the depth")
+    if b.checkpoint_segments and b.keep_last_segments > 1:
+        notes.append(f"bptt.keep_last_segments {b.keep_last_segments}: the window figures are "
+                     "for checkpointed segments; each segment kept whole after the first adds "
+                     "about one segment's activations (not modelled here; 1 costs nothing)")
+    return notes
 
 
 def state_shape(setup: Setup, mem: int) -> str:
