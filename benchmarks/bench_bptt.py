@@ -272,7 +272,7 @@ def measure_recompute(a) -> dict:
         mem["ratio"] = mem[kn]["peak_mb"] / mem[k1]["peak_mb"]
         times = "  ".join(f"time k={k}: {out['time'][k][n]['ratio_vs_plain']:.2f}x"
                           for k in a.recompute_time_depths)
-        print(f"  {n:<18}{times}  peak k={k1}: {mem[k1]['peak_mb']:.0f} MB, k={kn}: "
+        print(f"  {n:<20}{times}  peak k={k1}: {mem[k1]['peak_mb']:.0f} MB, k={kn}: "
               f"{mem[kn]['peak_mb']:.0f} MB ({mem['ratio']:.2f}x)", flush=True)
     return out
 
