@@ -1,8 +1,13 @@
 """LaMemo ÷ Transformer-XL time per token, at the WikiText-103 base shape and the small shape.
 
-    python benchmarks/bench_lamemo_cost.py                       # both shapes, ratios
-    python benchmarks/bench_lamemo_cost.py --shape wt103 --rounds 5 --batch 2
-    python benchmarks/bench_lamemo_cost.py --profile             # + top ops per model
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_lamemo_cost.py     # both shapes
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_lamemo_cost.py --shape wt103 --batch 2
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_lamemo_cost.py --profile   # + top ops
+    python benchmarks/bench_lamemo_cost.py --kernels     # one attention call per kernel
+
+OMP_WAIT_POLICY=PASSIVE: on a shared machine an OpenMP thread whose partner is descheduled
+spins at the barrier and the spin is charged as process CPU time; passive waiting charges
+only work (the wall time does not matter here).
 
 Shapes (issue 14, item 4):
 - wt103: the Transformer-XL WikiText-103 base (configs/wt103-xl-base.yaml): 16 layers,
@@ -17,9 +22,10 @@ Tokens are random. For wt103 they follow a Zipf law (p ∝ 1/rank, ranks = ids, 
 vocabulary is frequency-sorted) by default, so the adaptive softmax's tail clusters see
 about as many rows as on real text; `--tokens uniform` sends ~92% of the rows to the tails.
 
-Timing as benchmarks/bench_model.py: the two models live in one process, each round runs one
-step of each (order alternating), the time is the process CPU time of the step (the machine
-is shared: never wall time), and the reported ratio is the median of the per-round ratios.
+Timing as benchmarks/bench_model.py: four models live in one process, XL and LaMemo with
+the attention kernels from before this change and after it (`VARIANTS`); each round runs one
+step of each (order rotating), the time is the process CPU time of the step (the machine is
+shared: never wall time), and each reported ratio is the median of the per-round ratios.
 One step = forward + backward of one segment with the memory carried (+ an Adam step with
 --optimizer).
 """
@@ -27,6 +33,8 @@ One step = forward + backward of one segment with the memory carried (+ an Adam 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import sys
 import time
@@ -56,13 +64,20 @@ def make_tokens(shape: str, vocab: int, batch: int, length: int, kind: str,
 
 
 class Runner:
-    """One model, its carried memory and (optionally) its Adam; `step()` times one segment."""
+    """One model, its carried memory and (optionally) its Adam; `step()` times one segment.
 
-    def __init__(self, shape: str, mechanism: str, args, batch: int):
+    kernel: the attention kernel every layer is forced to ("plain", "sdpa", "one_pass"; see
+    model/attention_kernels.choose_kernel). Before this change XL's "fused" path was the
+    "sdpa" kernel (math fallback on the CPU) and LaMemo's always the "plain" one (it needs
+    the log-normaliser); after it both take "one_pass" on the CPU."""
+
+    def __init__(self, shape: str, mechanism: str, kernel: str, args, batch: int):
         torch.manual_seed(0)
         cfg = ModelConfig(mechanism=mechanism, dropout=args.dropout, dropatt=0.0,
-                          attn_impl=args.attn_impl, **SHAPES[shape])
+                          **SHAPES[shape])
         self.model = build_model(cfg).train()
+        for layer in self.model.core.layers:
+            layer.attn.impl = kernel
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4) if args.optimizer else None
         self.seg_len = cfg.tgt_len
         gen = torch.Generator().manual_seed(1)
@@ -86,25 +101,36 @@ class Runner:
         return elapsed
 
 
+# (name, mechanism, kernel); ratios are LaMemo over XL within "before" and within "after".
+VARIANTS = [("xl-before", "xl", "sdpa"), ("lamemo-before", "lamemo", "plain"),
+            ("xl-after", "xl", "one_pass"), ("lamemo-after", "lamemo", "one_pass")]
+RATIOS = {"before": ("lamemo-before", "xl-before"), "after": ("lamemo-after", "xl-after"),
+          "lamemo after/before": ("lamemo-after", "lamemo-before"),
+          "xl after/before": ("xl-after", "xl-before")}
+
+
 def measure(shape: str, args) -> dict:
     batch = args.batch or DEFAULT_BATCH[shape]
-    runners = {m: Runner(shape, m, args, batch) for m in ("xl", "lamemo")}
+    runners = {name: Runner(shape, mech, kernel, args, batch) for name, mech, kernel in VARIANTS}
     for r in runners.values():  # warm-up: the memory fills after one segment (M = L)
         for _ in range(args.warmup):
             r.step()
     times = {m: [] for m in runners}
+    names = list(runners)
     for rnd in range(args.rounds):
-        order = ["xl", "lamemo"] if rnd % 2 == 0 else ["lamemo", "xl"]
+        order = names[rnd % len(names):] + names[:rnd % len(names)]  # rotate the order
         for m in order:
             times[m].append(runners[m].step())
-    ratios = [a / b for a, b in zip(times["lamemo"], times["xl"], strict=True)]
-    tokens = batch * runners["xl"].seg_len
+    tokens = batch * runners["xl-before"].seg_len
+    ratios = {key: [a / b for a, b in zip(times[num], times[den], strict=True)]
+              for key, (num, den) in RATIOS.items()}
     result = {"batch": batch, "tokens_per_step": tokens,
               "cpu_s_per_step": {m: statistics.median(t) for m, t in times.items()},
-              "round_ratios": ratios, "lamemo_over_xl": statistics.median(ratios)}
+              "round_ratios": ratios,
+              "median_ratio": {k: statistics.median(v) for k, v in ratios.items()}}
     if args.profile:
-        result["profile"] = {m: profile(r, args.profile_steps, args.top)
-                             for m, r in runners.items()}
+        result["profile"] = {m: profile(runners[m], args.profile_steps, args.top)
+                             for m in ("xl-after", "lamemo-after", "lamemo-before")}
     return result
 
 
@@ -124,14 +150,89 @@ def profile(runner: Runner, steps: int, top: int) -> list[dict]:
                                        "share": 1.0, "calls_per_step": 0}]
 
 
+def measure_kernels(shape: str, args) -> dict:
+    """One causal attention call of the shape (batch, heads, d_head, segment, memory), each
+    kernel forward+backward ("train") and forward under no_grad ("eval"), kernels
+    interleaved per round: median CPU ms. FlexAttention (torch.compile) has no backward on
+    the CPU, so it is timed in eval only; a compile failure is reported, not raised."""
+    import math
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from model.attention import relative_attention
+    from model.attention_kernels import flex_relative_attention, sdpa_relative
+    from model.backbone import Lengths, causal_allowed
+    from model.positional import skew
+
+    cfg = SHAPES[shape]
+    bsz = args.batch or DEFAULT_BATCH[shape]
+    n_h, n_q, n_m = cfg["n_head"], cfg["tgt_len"], cfg["mem_len"]
+    d_h = cfg.get("d_head", cfg["d_model"] // n_h)
+    n_k = n_q + n_m
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(bsz, n, n_h, d_h, generator=gen) for n in (n_q, n_k, n_k))
+    r = torch.randn(n_k, n_h, d_h, generator=gen)
+    u, vb = torch.randn(n_h, d_h, generator=gen), torch.randn(n_h, d_h, generator=gen)
+    allowed = causal_allowed(n_q, n_m, torch.full((bsz,), n_m), Lengths(n_m), "cpu")
+    scale = 1 / math.sqrt(d_h)
+    compiled = torch.compile(flex_attention)
+
+    def sdpa(q, k, v, r, u, vb):
+        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+        bd = skew(torch.matmul((qh + vb[:, None]) * scale, r.permute(1, 2, 0)), n_k)
+        bias = bd.masked_fill(~allowed[:, None], float("-inf"))
+        return sdpa_relative(qh + u[:, None], kh, vh, bias, dropatt=0.0, scale=scale)
+
+    def flex(q, k, v, r, u, vb):
+        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+        bd = torch.matmul((qh + vb[:, None]) * scale, r.permute(1, 2, 0))
+        return flex_relative_attention(qh + u[:, None], kh, vh, bd, allowed, scale=scale,
+                                       compiled=compiled)
+
+    kernels = {
+        "plain": lambda *t: relative_attention(*t, allowed, impl="plain")[0],
+        "plain+lse": lambda *t: relative_attention(*t, allowed, impl="plain",
+                                                   need_lse=True)[0],
+        "one_pass": lambda *t: relative_attention(*t, allowed, impl="fused")[0],
+        "sdpa(math on CPU)": sdpa,
+        "flex": flex,
+    }
+    inputs = (q, k, v, r, u, vb)
+    result, reference = {}, kernels["plain"](*inputs)
+    try:
+        with torch.no_grad():
+            err = (flex(*inputs).transpose(1, 2) - reference).abs().max().item()
+        result["flex_eval_max_abs_err_vs_plain"] = err
+    except Exception as exc:  # noqa: BLE001 - a compile failure is a finding to report
+        result["flex_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        kernels.pop("flex")
+    grads = [t.clone().requires_grad_(True) for t in inputs]
+    times = {f"{n} {m}": [] for n in kernels for m in ("train", "eval")
+             if not (n == "flex" and m == "train")}
+    for _ in range(args.rounds):
+        for name, fn in kernels.items():
+            with torch.no_grad():
+                start = time.process_time()
+                fn(*inputs)
+                times[f"{name} eval"].append(time.process_time() - start)
+            if name != "flex":
+                start = time.process_time()
+                fn(*grads).sum().backward()
+                times[f"{name} train"].append(time.process_time() - start)
+    result["shape"] = dict(batch=bsz, heads=n_h, d_head=d_h, queries=n_q, keys=n_k)
+    result["median_cpu_ms"] = {n: 1e3 * statistics.median(t[1:] or t) for n, t in times.items()}
+    return result
+
+
 def print_result(shape: str, res: dict) -> None:
     t = res["cpu_s_per_step"]
-    print(f"[{shape}] batch {res['batch']} ({res['tokens_per_step']} tokens/step): XL "
-          f"{t['xl']:.3f} CPU-s/step, LaMemo {t['lamemo']:.3f}; LaMemo / XL = "
-          f"{res['lamemo_over_xl']:.3f} (median of {len(res['round_ratios'])} round ratios: "
-          f"{', '.join(f'{r:.2f}' for r in res['round_ratios'])})")
+    print(f"[{shape}] batch {res['batch']} ({res['tokens_per_step']} tokens/step), median CPU "
+          f"s/step: " + ", ".join(f"{m} {v:.3f}" for m, v in t.items()))
+    for key, value in res["median_ratio"].items():
+        rounds = ", ".join(f"{r:.2f}" for r in res["round_ratios"][key])
+        print(f"  {key:<22}{value:>7.3f}   (rounds: {rounds})")
     for m, rows in res.get("profile", {}).items():
-        print(f"  profile {m} (self CPU ms per step)")
+        print(f"  profile {m} (self CPU ms per step, share, calls per step)")
         for row in rows:
             print(f"    {row['op']:<44}{row['self_ms_per_step']:>10.1f}{row['share']:>8.1%}"
                   f"{row['calls_per_step']:>8.0f}")
@@ -146,23 +247,29 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--attn-impl", default="fused", choices=["fused", "plain"])
     p.add_argument("--tokens", choices=["zipf", "uniform"], default="zipf")
     p.add_argument("--optimizer", action="store_true", help="include an Adam step")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--kernels", action="store_true",
+                   help="time one attention call per kernel (incl. FlexAttention) instead")
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    wait = os.environ.get("OMP_WAIT_POLICY", "unset")
     print(f"torch {torch.__version__}, {args.threads} threads, fp32, dropout {args.dropout}, "
-          f"attn_impl {args.attn_impl}, tokens {args.tokens}, optimizer step "
+          f"OMP_WAIT_POLICY {wait}, tokens {args.tokens}, optimizer step "
           f"{'yes' if args.optimizer else 'no'}, {args.rounds} rounds after {args.warmup} "
           f"warm-up steps")
     results = {}
     for shape in (SHAPES if args.shape == "both" else [args.shape]):
-        results[shape] = measure(shape, args)
-        print_result(shape, results[shape])
+        if args.kernels:
+            results[shape] = measure_kernels(shape, args)
+            print(f"[{shape}] {json.dumps(results[shape], indent=1)}")
+        else:
+            results[shape] = measure(shape, args)
+            print_result(shape, results[shape])
         sys.stdout.flush()
     write_json(args.json, {"args": vars(args), "torch": torch.__version__,
                            "results": results})

@@ -145,6 +145,8 @@ def relative_attention(
     bd = skew(torch.matmul((qh + v_bias[:, None, :]) * scale, r.permute(1, 2, 0)), n_k,
               skew_start)
     if kernel == "sdpa":
+        if need_lse:
+            raise ValueError("the sdpa kernel returns no log-normaliser (need_lse)")
         # The content term's scale stays inside the kernel (fp32 accumulation in the GPU
         # kernels; the math fallback splits it over q and k before its matmul).
         out = sdpa_relative(qh + u_bias[:, None, :], kh, vh, bd.masked_fill(~mask, float("-inf")),

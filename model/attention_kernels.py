@@ -132,6 +132,7 @@ def choose_kernel(impl: str, device_type: str, *, need_lse: bool, record: bool) 
     """Which exact path relative_attention takes: "plain", "one_pass" or "sdpa".
 
     - impl "plain" or a recording (attn_log wants the probabilities): the plain reference.
+    - impl "one_pass" or "sdpa" (set on a layer's `attn.impl` by benchmarks): that kernel.
     - need_lse (LaMemo's branches): "one_pass", the only path whose log-normaliser has a
       gradient (SDPA kernels return none, or one without a backward).
     - CUDA: "sdpa" (memory-efficient kernel with the bias, head padded to a multiple of 8).
@@ -140,6 +141,8 @@ def choose_kernel(impl: str, device_type: str, *, need_lse: bool, record: bool) 
     """
     if impl == "plain" or record:
         return "plain"
+    if impl in ("one_pass", "sdpa"):
+        return impl  # forced (benchmarks, tests); "sdpa" has no log-normaliser
     if need_lse:
         return "one_pass"
     return "sdpa" if device_type == "cuda" else "one_pass"

@@ -156,6 +156,16 @@ def test_kernel_choice_follows_device_lse_and_recording():
     assert choose_kernel("fused", "cuda", need_lse=True, record=False) == "one_pass"
     assert choose_kernel("fused", "cuda", need_lse=False, record=False) == "sdpa"
     assert choose_kernel("fused", "cpu", need_lse=False, record=False) == "one_pass"
+    # Forced kernels (benchmarks): honoured, except that a recording always takes plain.
+    assert choose_kernel("sdpa", "cpu", need_lse=False, record=False) == "sdpa"
+    assert choose_kernel("one_pass", "cuda", need_lse=False, record=False) == "one_pass"
+    assert choose_kernel("one_pass", "cpu", need_lse=True, record=True) == "plain"
+
+
+def test_sdpa_kernel_refuses_to_serve_a_log_normaliser_request():
+    tensors, allowed, start = _causal_case(5, 4, 8)
+    with pytest.raises(ValueError, match="log-normaliser"):
+        relative_attention(*tensors, allowed, impl="sdpa", need_lse=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
