@@ -150,6 +150,47 @@ def profile(runner: Runner, steps: int, top: int) -> list[dict]:
                                        "share": 1.0, "calls_per_step": 0}]
 
 
+def forward_macs(shape: str, batch: int) -> dict:
+    """Analytic multiply-accumulates per token of one training step (memory full, M = L):
+    forward, and training = 3x every part that has a gradient + 1x LaMemo's top-layer
+    look-ahead (run without one). Matmuls only; Zipf targets for the adaptive softmax.
+
+    Per layer, B rows of L tokens, M memory rows, D = M + L distances, a = H·dh:
+      XL:      q B·L·d·a, k/v B·(M+L)·2d·a, R D·d·a, scores + positions + values
+               3·B·L·(M+L)·a, W_o B·L·a·d, FFN B·L·2·d·d_inner
+      LaMemo adds (LaMemo §3.1-3.2, Eq. 7-11): q for the M memory rows, R for the M
+               look-ahead distances, look-ahead attention 3·B·M·min(M, L)·a, and below the
+               top layer W_o and FFN for the M refreshed memory rows.
+    """
+    c = SHAPES[shape]
+    d, n_l, n_q, n_m, d_in = c["d_model"], c["n_layer"], c["tgt_len"], c["mem_len"], c["d_inner"]
+    a = c["n_head"] * c.get("d_head", d // c["n_head"])
+    b = batch
+    xl_layer = (b * n_q * d * a + b * (n_m + n_q) * 2 * d * a + (n_m + n_q) * d * a
+                + 3 * b * n_q * (n_m + n_q) * a + b * n_q * a * d + b * n_q * 2 * d * d_in)
+    look = b * n_m * d * a + n_m * d * a + 3 * b * n_m * min(n_m, n_q) * a
+    rows = b * n_m * a * d + b * n_m * 2 * d * d_in
+    ends = [0, *c.get("cutoffs", []), c["vocab_size"]]
+    if len(ends) > 2:
+        w = 1.0 / torch.arange(1, c["vocab_size"] + 1, dtype=torch.float64)
+        frac = [float(w[lo:hi].sum() / w.sum()) for lo, hi in zip(ends, ends[1:], strict=False)]
+        soft = d * (ends[1] + len(ends) - 2) + sum(
+            f * d * (hi - lo) for f, lo, hi in
+            zip(frac[1:], ends[1:], ends[2:], strict=False))
+    else:
+        soft = d * c["vocab_size"]
+    tokens = b * n_q
+    xl_fwd = n_l * xl_layer / tokens + soft
+    la_fwd = xl_fwd + (n_l * look + (n_l - 1) * rows) / tokens
+    xl_train = 3 * xl_fwd
+    la_train = xl_train + (3 * (n_l - 1) * (look + rows) + look) / tokens
+    return {"xl_forward_M": xl_fwd / 1e6, "lamemo_forward_M": la_fwd / 1e6,
+            "softmax_forward_M": soft / 1e6, "forward_ratio": la_fwd / xl_fwd,
+            "training_ratio": la_train / xl_train,
+            "full_softmax_forward_ratio": (la_fwd - soft + d * c["vocab_size"])
+            / (xl_fwd - soft + d * c["vocab_size"])}
+
+
 def measure_kernels(shape: str, args) -> dict:
     """One causal attention call of the shape (batch, heads, d_head, segment, memory), each
     kernel forward+backward ("train") and forward under no_grad ("eval"), kernels
@@ -269,7 +310,9 @@ def main(argv=None) -> int:
             print(f"[{shape}] {json.dumps(results[shape], indent=1)}")
         else:
             results[shape] = measure(shape, args)
+            results[shape]["macs_per_token"] = forward_macs(shape, results[shape]["batch"])
             print_result(shape, results[shape])
+            print(f"  analytic MACs per token: {json.dumps(results[shape]['macs_per_token'])}")
         sys.stdout.flush()
     write_json(args.json, {"args": vars(args), "torch": torch.__version__,
                            "results": results})
