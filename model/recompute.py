@@ -4,11 +4,14 @@ Checkpointing a segment (`MemoryLM.forward(..., checkpoint_segment=True)`) keeps
 inputs and re-runs its whole forward inside the backward. A selective policy keeps the
 outputs of some ops as well, so the re-run skips them:
 
-    full           nothing but the inputs; everything is recomputed (the default)
-    save-ffn-out   the FFN's second matmul (d_inner -> d_model) in every layer
-    save-linear    every linear-layer matmul (aten.mm / aten.addmm): q, k/v, positions, W_o,
-                   both FFN matmuls, the softmax head
-    save-matmul    save-linear plus the attention matmuls (aten.bmm, SDPA kernels)
+    full                nothing but the inputs; everything is recomputed (the default)
+    save-masks          dropout's 0/1 draws, 8 per byte: the recompute draws no random
+                        numbers (on CPU dropout's RNG is a fifth of the forward)
+    save-ffn-out        the FFN's second matmul (d_inner -> d_model) in every layer
+    save-linear         every linear-layer matmul (aten.mm / aten.addmm): q, k/v,
+                        positions, W_o, both FFN matmuls, the softmax head
+    save-matmul         save-linear plus the attention matmuls (aten.bmm, SDPA kernels)
+    save-masks+X        the masks and what save-X keeps
 
 Why these: a matmul [N, K] x [K, M] costs N·K·M to recompute and N·M to keep, so the time
 saved per kept byte grows with the reduction size K. The FFN's second matmul has the
@@ -32,23 +35,25 @@ mechanism of torch's `create_selective_checkpoint_contexts` with two differences
   kernel adds the positional term to the content scores in place), so the re-run would
   read changed values. Here the model gets a copy (a memcpy, small beside the matmul).
 
-Dropout is recomputed under every policy: checkpoint restores the RNG state before the
-re-run and no policy skips a random op, so every mask is drawn again from the same RNG
-sequence and is identical (skipping some random ops but not others would shift the
-sequence). Caching dropout's noise is not possible on CPU anyway: aten.dropout draws it
-with the in-place bernoulli_ into an empty_like tensor whose handle the C++ code keeps.
+Dropout: without save-masks it is recomputed: checkpoint restores the RNG state before the
+re-run and no op that draws is skipped, so every mask is drawn again from the same RNG
+sequence and is identical. save-masks keeps the draws of aten.bernoulli_ (how aten.dropout
+draws its noise on CPU: bernoulli_ into an empty_like tensor, then scaled in place) as bits
+and writes them back into the recompute's tensor instead of drawing; 0/1 values, so exact.
+If the forward drew anything else (e.g. CUDA's fused native_dropout), no draw is replayed,
+since skipping some draws but not others would shift the RNG sequence: everything is drawn
+again as without save-masks.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
-
-RECOMPUTE_POLICIES = ("full", "save-ffn-out", "save-linear", "save-matmul")
 
 _aten = torch.ops.aten
 _LINEAR = (_aten.mm.default, _aten.addmm.default)
@@ -61,11 +66,12 @@ _ATTENTION = tuple(getattr(_aten, name).default for name in (
 
 
 class _Rule:
-    """Keep the outputs of `ops`; with `reduction`, only of a matmul whose reduction size
-    (its first matrix operand's last dim) is `reduction`."""
+    """Keep the outputs of `ops` (with `reduction`: only of a matmul whose reduction size,
+    its first matrix operand's last dim, is `reduction`); `masks`: keep dropout's 0/1 draws
+    as bits."""
 
-    def __init__(self, ops: tuple, reduction: int | None):
-        self.ops, self.reduction = ops, reduction
+    def __init__(self, ops: tuple, reduction: int | None, masks: bool):
+        self.ops, self.reduction, self.masks = ops, reduction, masks
 
     def __call__(self, func, args) -> bool:
         if func not in self.ops:
@@ -76,6 +82,34 @@ class _Rule:
         return mat1.shape[-1] == self.reduction
 
 
+@dataclass
+class _Store:
+    """What one checkpointed call keeps: op -> [(input shapes, output)], the packed masks,
+    and whether the forward drew random numbers other than bernoulli_ (then no mask is
+    replayed: skipping some draws would shift the others)."""
+
+    outputs: dict = field(default_factory=lambda: defaultdict(list))
+    masks: list = field(default_factory=list)
+    other_random: bool = False
+
+
+_BERNOULLI = _aten.bernoulli_.float
+
+
+def _pack(draw: torch.Tensor) -> torch.Tensor:
+    """bernoulli_'s 0/1 values -> 8 per byte (1/32 of the fp32 noise)."""
+    flat = draw.reshape(-1).to(torch.uint8)
+    flat = torch.cat([flat, flat.new_zeros(-flat.numel() % 8)])
+    bit = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=flat.device)
+    return (flat.view(-1, 8) * bit).sum(1, dtype=torch.uint8)
+
+
+def _unpack_into(target: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    shift = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    bits = (packed[:, None] >> shift) & 1
+    return target.copy_(bits.reshape(-1)[:target.numel()].view(target.shape))
+
+
 def _shapes(args) -> tuple:
     return tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
 
@@ -83,40 +117,64 @@ def _shapes(args) -> tuple:
 class _Keep(TorchDispatchMode):
     """Forward of a checkpointed segment: keep what the rule says, hand the model a copy."""
 
-    def __init__(self, rule: _Rule, store: dict):
+    def __init__(self, rule: _Rule, store: _Store):
         super().__init__()
         self.rule, self.store = rule, store
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if torch.Tag.nondeterministic_seeded in func.tags and self.rule.masks:
+            if func == _BERNOULLI and not kwargs:
+                self.store.masks.append((tuple(out.shape), _pack(out)))
+            else:
+                self.store.other_random = True
         if not self.rule(func, args):
             return out
-        self.store[func].append((_shapes(args), out))
+        self.store.outputs[func].append((_shapes(args), out))
         return tree_map_only(torch.Tensor, torch.clone, out)
 
 
 class _Reuse(TorchDispatchMode):
     """Recompute inside the backward: a kept op returns what the forward kept (once, then
-    released); every other op runs."""
+    released), a kept dropout draw is written back instead of drawn; every other op runs."""
 
-    def __init__(self, rule: _Rule, store: dict):
+    def __init__(self, rule: _Rule, store: _Store):
         super().__init__()
         self.rule, self.store = rule, store
         self.used: dict = defaultdict(int)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.rule(func, args):
-            return func(*args, **(kwargs or {}))
-        kept, i = self.store[func], self.used[func]
-        self.used[func] += 1
-        if i >= len(kept) or kept[i] is None or kept[i][0] != _shapes(args):
-            raise RuntimeError(f"selective recompute: call {i} of {func} in the recompute "
+    def _next(self, kept: list, key, shapes: tuple):
+        i = self.used[key]
+        self.used[key] += 1
+        if i >= len(kept) or kept[i] is None or kept[i][0] != shapes:
+            raise RuntimeError(f"selective recompute: call {i} of {key} in the recompute "
                                "does not match the forward (or a second backward through "
-                               "the same checkpoint); the segment's forward must be "
-                               "deterministic in its matmuls")
+                               "the same checkpoint); the segment's forward must run the "
+                               "same matmuls and dropouts")
         out = kept[i][1]
         kept[i] = None   # the backward owns it now; freed when it is done with it
         return out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func == _BERNOULLI and self.store.masks and not self.store.other_random:
+            return _unpack_into(args[0], self._next(self.store.masks, func,
+                                                    tuple(args[0].shape)))
+        if not self.rule(func, args):
+            return func(*args, **(kwargs or {}))
+        return self._next(self.store.outputs[func], func, _shapes(args))
+
+
+# name -> (ops whose outputs are kept, reduction size filter, keep dropout masks)
+_POLICIES = {
+    "save-masks": ((), None, True),
+    "save-ffn-out": (_LINEAR, "d_inner", False),
+    "save-masks+ffn-out": (_LINEAR, "d_inner", True),
+    "save-linear": (_LINEAR, None, False),
+    "save-masks+linear": (_LINEAR, None, True),
+    "save-matmul": (_LINEAR + _ATTENTION, None, False),
+    "save-masks+matmul": (_LINEAR + _ATTENTION, None, True),
+}
+RECOMPUTE_POLICIES = ("full", *_POLICIES)
 
 
 def check_policy(policy: str) -> None:
@@ -130,11 +188,10 @@ def context_fn(policy: str, d_inner: int) -> Callable | None:
     check_policy(policy)
     if policy == "full":
         return None
-    ops, reduction = {"save-ffn-out": (_LINEAR, d_inner), "save-linear": (_LINEAR, None),
-                      "save-matmul": (_LINEAR + _ATTENTION, None)}[policy]
-    rule = _Rule(ops, reduction)
+    ops, reduction, masks = _POLICIES[policy]
+    rule = _Rule(ops, d_inner if reduction == "d_inner" else None, masks)
 
     def contexts():
-        store: dict = defaultdict(list)   # one per checkpointed call: op -> [(shapes, out)]
+        store = _Store()   # one per checkpointed call
         return _Keep(rule, store), _Reuse(rule, store)
     return contexts

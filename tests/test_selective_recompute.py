@@ -71,9 +71,12 @@ class _LiveStorages(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.made: dict = {}
+        self.noise_elements = 0   # dropout's draws (aten.bernoulli_ on CPU)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func == torch.ops.aten.bernoulli_.float:
+            self.noise_elements += out.numel()
         for t in out if isinstance(out, tuple | list) else (out,):
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 ref = StorageWeakRef(t.untyped_storage())
@@ -84,9 +87,9 @@ class _LiveStorages(TorchDispatchMode):
         return sum(n for ref, n in self.made.values() if not ref.expired())
 
 
-def _kept_bytes(n_segments: int, **window) -> int:
-    """Bytes the window's forward leaves alive for its backward (dropout 0: no masks)."""
-    model = _model("rmt", dropout=0.0, dropatt=0.0)
+def _kept(n_segments: int, dropout: float = 0.0, **window) -> tuple[int, int]:
+    """(bytes the window's forward leaves alive for its backward, dropout draws made)."""
+    model = _model("rmt", dropout=dropout, dropatt=0.0)
     segs = _segments(n_segments)
     run_window(model, None, segs, torch.device("cpu"), **window)   # warm-up, freed
     live = _LiveStorages()
@@ -94,7 +97,11 @@ def _kept_bytes(n_segments: int, **window) -> int:
         res = run_window(model, None, segs, torch.device("cpu"), **window)
     alive = live.alive_bytes()
     del res
-    return alive
+    return alive, live.noise_elements
+
+
+def _kept_bytes(n_segments: int, **window) -> int:
+    return _kept(n_segments, **window)[0]
 
 
 def test_selective_policies_keep_more_than_full_recompute_and_less_than_no_checkpointing():
@@ -107,6 +114,14 @@ def test_selective_policies_keep_more_than_full_recompute_and_less_than_no_check
     # save-ffn-out keeps exactly each layer's W2 output [rows, 2m+L, d_model] fp32.
     ffn_out = n * LAYERS * ROWS * (2 * MEM_TOKENS + L) * D_MODEL * 4
     assert kept["save-ffn-out"] - kept["full"] == ffn_out
+
+
+def test_save_masks_keeps_dropouts_draws_as_bits():
+    full, draws = _kept(3, dropout=0.1, checkpoint_segments=True)
+    masks, _ = _kept(3, dropout=0.1, checkpoint_segments=True, recompute="save-masks")
+    n_draws = 3 * (1 + 1 + 3 * LAYERS + 1)   # per segment: embedding, R, 3 per layer, top
+    assert full < masks <= full + draws // 8 + n_draws   # a byte per 8 draws, rounded up
+    assert masks - full >= draws // 8
 
 
 def test_keep_last_segments_keeps_whole_segments_one_by_one_from_the_end():
@@ -147,8 +162,11 @@ def test_the_recompute_skips_exactly_the_kept_matmuls():
     assert ffn[aten.addmm.default] == full[aten.addmm.default] - 2 * LAYERS
     for op in (aten.addmm.default, aten.mm.default):
         assert linear.get(op, 0) == plain.get(op, 0), op
-    # Dropout is drawn again in every checkpointed variant (same masks: RNG restored).
+    # Dropout is drawn again (same masks: RNG restored) unless its draws are kept.
     assert linear[aten.bernoulli_.float] == full[aten.bernoulli_.float] > 0
+    masks = _backward_op_counts(checkpoint_segments=True, recompute="save-masks")
+    assert masks.get(aten.bernoulli_.float, 0) == 0
+    assert masks[aten.addmm.default] == full[aten.addmm.default]
 
 
 @pytest.mark.parametrize("override,field", [
