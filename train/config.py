@@ -65,11 +65,14 @@ class BPTTConfig:
     checkpoint_segments: bool = False
     # What a checkpointed segment keeps besides its inputs, so that its recompute inside the
     # backward skips those ops (model/recompute.py; needs checkpoint_segments):
-    #   full          nothing: the whole segment is recomputed (least memory)
-    #   save-ffn-out  the FFN's d_inner -> d_model matmul output, every layer
-    #   save-linear   every linear-layer matmul output (q, k/v, positions, W_o, FFN, head)
-    #   save-matmul   save-linear plus the attention matmuls (score matrices)
-    # Dropout is always recomputed, with its RNG state restored (identical masks).
+    #   full               nothing: the whole segment is recomputed (least memory)
+    #   save-masks         dropout's 0/1 draws as bits (1/32 of the fp32 noise): no RNG in
+    #                      the recompute (CPU; elsewhere the masks are drawn again)
+    #   save-ffn-out       the FFN's d_inner -> d_model matmul output, every layer
+    #   save-linear        every linear-layer matmul output (q, k/v, positions, W_o, FFN, head)
+    #   save-matmul        save-linear plus the attention matmuls (score matrices)
+    #   save-masks+X       the masks and what save-X keeps
+    # Results are exact under every policy (same losses and gradients as no checkpointing).
     # Measured time vs peak memory of each: benchmarks/results/selective_recompute.md.
     recompute: str = "full"
     # The last N segments of every window are not checkpointed (keep all activations).
