@@ -95,6 +95,9 @@ class ModelConfig:
     attn_impl: str = "fused"
     # Activation checkpointing around every layer (torch.utils.checkpoint, non-reentrant).
     checkpoint_layers: bool = False
+    # Training compiles the decoder stack with torch.compile (model/compiled.py); evaluation,
+    # generation and the saved weights are the same as without it.
+    compile: bool = False
     lamemo: LaMemoOptions = field(default_factory=LaMemoOptions)
     rmt: RMTOptions = field(default_factory=RMTOptions)
 

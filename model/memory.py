@@ -66,6 +66,10 @@ class MemoryState:
     def detach(self) -> MemoryState:
         return self._map(lambda _, t: t.detach())
 
+    def contiguous(self) -> MemoryState:
+        """Every tensor in the contiguous layout (a copy only where it is not)."""
+        return self._map(lambda _, t: t.contiguous())
+
     def select_rows(self, index: torch.Tensor) -> MemoryState:
         index = torch.as_tensor(index, dtype=torch.long, device=self.length.device)
         return self._map(lambda _, t: t.index_select(0, index))

@@ -15,6 +15,7 @@ import math
 import torch
 
 from data_pipeline.streams import rows_of_rank
+from model.compiled import compile_core
 
 from .config import RunConfig, resolve_path
 
@@ -172,6 +173,8 @@ def initialize(model: torch.nn.Module, cfg: RunConfig, ds_config: dict):
     """deepspeed.initialize with our optimizer and schedule; returns (engine, schedule)."""
     import deepspeed  # ~2.5 s to import: only when an engine is built (not --print-config)
 
+    if cfg.model.compile:
+        compile_core(model)  # before DeepSpeed wraps it; names and state_dict unchanged
     optimizer = build_optimizer(model, cfg)
     schedule = LRSchedule(optimizer, cfg)
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,

@@ -26,6 +26,7 @@ from data_pipeline.shards import ShardError, load_manifest
 from data_pipeline.streams import EpisodeStream, LayoutError, TokenStream, rows_of_rank
 from data_pipeline.synthetic import write_repeat_corpus
 from model import ConfigError, bits_per_token, build_model
+from model.compiled import compiled_graphs
 
 from . import checkpoint as ckpt
 from .bptt import TrainState, WindowPlan, run_window
@@ -397,6 +398,8 @@ class _Loop:
                            "tokens_per_s": (st.tokens_seen - tokens_at_log) / (now - last_log),
                            "peak_mem_mb": peak_memory_mb(self.device)}
                 metrics.update(self.curriculum.metrics())
+                if cfg.model.compile:  # graphs torch.compile built so far (model/compiled.py)
+                    metrics["compiled_graphs"] = compiled_graphs()
                 norm = self.engine.get_global_grad_norm() if self.stage else self.grad_norm
                 if norm is not None:
                     metrics["grad_norm"] = float(norm)

@@ -1,0 +1,58 @@
+"""torch.compile for training: the decoder stack compiled in place, eager numerics kept.
+
+What is compiled is `MemoryLM.core` (the mechanism's layers and its memory bookkeeping):
+that is where the elementwise work between the matmuls lives (skew, masks, softmax,
+dropout, LayerNorm, residuals) which a compiler can fuse. The embedding and the softmax head
+stay eager: the adaptive softmax routes its clusters on the host with numpy (no device sync,
+see adaptive.py), which a compiled graph could not keep.
+
+Choices, and why:
+- In place (the instance's forward is swapped), so parameter names and state_dict keys
+  do not change: checkpoints of compiled and eager runs are interchangeable.
+- Dropout draws from torch's own generator (`fallback_random`), in the same order as eager:
+  a compiled run draws the same masks as an eager one from the same seed, so its losses
+  equal eager's to float tolerance and the RNG state a checkpoint saves is the whole story
+  (Inductor's in-kernel RNG would give other masks, and was slower on the CPU; BENCHMARKS.md).
+- Shapes: the mechanisms branch in Python on the memory length (an empty memory, the
+  distance list, the masks), so each memory length compiles its own graph: a run compiles
+  one graph per length the memory passes through, 0, tgt_len, 2 tgt_len, ... up to
+  mem_len, i.e. 1 + ceil(mem_len / tgt_len), then none (tests/test_compile.py counts
+  them; `compiled_graphs()` reports them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def compile_core(model: nn.Module) -> None:
+    """Compile the training forward of `model.core` (see the module docstring).
+
+    Only calls with gradients enabled go through the compiled code: evaluation and
+    generation (no_grad, other batch sizes and memory lengths) stay eager instead of
+    compiling a graph per shape, and a segment recomputed by activation checkpointing
+    (grad enabled, same shapes) reuses the training graph. The forward is replaced on the
+    instance, so parameter names, state_dict keys and module hooks are unchanged.
+    """
+    core = model.core
+    eager = core.forward
+    compiled = torch.compile(eager, dynamic=None, options={"fallback_random": True})
+
+    def forward(h0, state, lengths):
+        if not torch.is_grad_enabled():
+            return eager(h0, state, lengths)
+        # A memory sliced out of a longer concatenation has other strides than one built
+        # whole; compiled graphs guard on strides, so hand them one layout (a copy only of
+        # the tensors that need it) instead of compiling a graph per layout.
+        return compiled(h0, None if state is None else state.contiguous(), lengths)
+
+    core.forward = forward
+
+
+def compiled_graphs() -> int:
+    """How many graphs torch.compile has built in this process so far (each recompile of a
+    guard failure, e.g. a new memory length, adds one)."""
+    from torch._dynamo.utils import counters  # torch's own compile statistics
+
+    return int(counters["stats"]["unique_graphs"])

@@ -1,0 +1,123 @@
+"""model.compile: the compiled training forward is the eager one, faster or not.
+
+Compiled training draws the same dropout masks as eager (torch's generator, in order), so
+its losses equal eager's to float tolerance; it compiles one graph per memory length and
+then none; evaluation stays eager; and a compiled run resumes exactly. Compiling costs
+seconds per graph on this CPU, so the models are tiny and the runs short.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from train_helpers import run_train, step_losses, tiny_config
+
+from model import ModelConfig, build_model
+from model.compiled import compile_core, compiled_graphs
+
+pytestmark = pytest.mark.slow
+
+TGT, MEM, STEPS = 8, 16, 5
+
+
+def _train(mechanism: str, compiled: bool):
+    """STEPS training steps of a tiny model from seed 0 with dropout: (losses, graphs
+    compiled after each step, model)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(mechanism=mechanism, vocab_size=32, n_layer=2, d_model=32, n_head=2,
+                      d_inner=64, dropout=0.1, dropatt=0.1, tgt_len=TGT, mem_len=MEM,
+                      rmt={"num_mem_tokens": 2})
+    model = build_model(cfg)
+    if compiled:
+        compile_core(model)
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    data = torch.Generator().manual_seed(3)
+    state, losses, graphs = None, [], []
+    for _ in range(STEPS):
+        x, y = torch.randint(0, 32, (2, 4, TGT), generator=data)
+        out = model(x, state, targets=y)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        state = out.state.detach()
+        losses.append(out.loss.item())
+        graphs.append(compiled_graphs())
+    return losses, graphs, model
+
+
+@pytest.fixture(scope="module")
+def runs():
+    out = {}
+    for mechanism in ("xl", "lamemo", "rmt"):
+        eager, _, _ = _train(mechanism, False)
+        before = compiled_graphs()
+        losses, graphs, model = _train(mechanism, True)
+        out[mechanism] = (eager, losses, [g - before for g in graphs], model)
+    return out
+
+
+@pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt"])
+def test_compiled_training_has_the_eager_losses_dropout_included(runs, mechanism):
+    eager, compiled, _, _ = runs[mechanism]
+    assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
+    # Not trivially equal: the losses move (training happens, dropout differs per step).
+    assert len(set(eager)) == STEPS
+
+
+def test_a_memory_growing_to_mem_len_compiles_one_graph_per_length_then_none(runs):
+    # XL's memory is 0, 8, 16 long at steps 1-3 and 16 from then on: 1 + MEM / TGT graphs,
+    # the last two steps reuse the last one.
+    _, _, graphs, _ = runs["xl"]
+    assert graphs == [1, 2, 3, 3, 3]
+    # LaMemo's memory grows the same way; RMT's cache too (it ends at the same steps).
+    assert runs["lamemo"][2][-1] == runs["lamemo"][2][-3] <= 1 + MEM // TGT
+    assert runs["rmt"][2][-1] == runs["rmt"][2][-3] <= 1 + MEM // TGT
+
+
+def test_evaluation_without_gradients_stays_eager_and_compiles_nothing(runs):
+    _, _, _, model = runs["xl"]
+    before = compiled_graphs()
+    model.eval()
+    with torch.no_grad():
+        state = None
+        for batch in (3, 5):  # other batch sizes and memory lengths than training
+            for _ in range(2):
+                out = model(torch.randint(0, 32, (batch, 7)), state)
+                state = out.state
+            state = None
+    assert compiled_graphs() == before
+
+
+def test_compiling_keeps_parameter_names_so_checkpoints_are_interchangeable():
+    torch.manual_seed(0)
+    cfg = ModelConfig(mechanism="xl", vocab_size=32, n_layer=1, d_model=16, n_head=2,
+                      d_inner=32, tgt_len=4, mem_len=4)
+    eager = build_model(cfg)
+    compiled = build_model(cfg)
+    compile_core(compiled)
+    assert list(compiled.state_dict()) == list(eager.state_dict())
+    compiled.load_state_dict(eager.state_dict())
+
+
+def test_memtrain_train_compiled_matches_eager_and_resumes_exactly(tmp_path):
+    # Through the DeepSpeed engine (ZeRO-2), dropout 0.1: the eager run, and a compiled run
+    # stopped after 3 steps and resumed to 6. The resumed steps can only match if the
+    # checkpoint restored the RNG the compiled dropout draws from.
+    sections = dict(max_steps=6, save_every=3, deepspeed={"zero_stage": 2},
+                    eval={"max_segments": 2, "every": 0})
+    eager_cfg = tiny_config(tmp_path, "eager", model={"mem_len": 16}, **sections)
+    run_train(eager_cfg, launcher="single")
+    eager = step_losses(tmp_path / "runs" / "eager")
+
+    cfg = tiny_config(tmp_path, "compiled", model={"mem_len": 16, "compile": True},
+                      **sections)
+    run_train(cfg, ["max_steps=3"], launcher="single")
+    done = run_train(cfg, launcher="single")
+    assert "resumed from" in done.stdout
+    compiled = step_losses(tmp_path / "runs" / "compiled")
+    assert sorted(compiled) == sorted(eager) == list(range(1, 7))
+    assert [compiled[s] for s in range(1, 7)] == pytest.approx(
+        [eager[s] for s in range(1, 7)], rel=1e-5, abs=1e-6)
+    # The resumed process compiled its own graphs: memory 16 at step 4 needs just one.
+    graphs = step_losses(tmp_path / "runs" / "compiled", "compiled_graphs")
+    assert graphs[3] == 3 and graphs[6] == 1
