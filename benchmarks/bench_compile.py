@@ -1,0 +1,233 @@
+"""model.compile: compiled vs eager training speed, and where a step's time goes.
+
+    python benchmarks/bench_compile.py --parts model --rounds 6 \
+        --json benchmarks/results/compile_model.json
+    python benchmarks/bench_compile.py --parts train --json benchmarks/results/compile_train.json
+    python benchmarks/bench_compile.py --parts profile
+    python benchmarks/bench_compile.py --quick            # smoke check
+
+Shape (issue 14): 4 layers, d_model 256, 4 heads, d_inner 1024, 256 symbols, segment 128,
+memory 128, batch 8, dropout 0.1, fp32, 2 threads. RMT: 10 memory tokens and an XL cache of
+128 (the bare-model part), full BPTT over 2 segments (the train part).
+
+Parts:
+  model    bare model (forward, backward, Adam) in ONE process: eager, compiled with eager
+           RNG (what model.compile does), compiled with Inductor's own RNG; each variant its
+           own copy of the model, interleaved step by step, rotated each round. Ratio =
+           median over rounds of CPU-time(eager) / CPU-time(variant) (process CPU time: the
+           machine is shared). Also: seconds to the first compiled step, graphs compiled.
+  train    `memtrain train` at the same shape, eager then compiled, same seed and data:
+           tokens/s from the run's own metrics.jsonl, median over the log intervals after
+           the first (which holds the compile), the graphs it compiled, and the losses of
+           both runs side by side. Whole runs one after the other: noisier than `model`.
+  profile  torch.profiler: self CPU time per op of 3 eager and 3 compiled XL steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from common import add_model_size_args, write_json
+
+from data_pipeline.shard_writer import write_manifest, write_token_split
+from data_pipeline.shards import Manifest, id_dtype
+from data_pipeline.vocab import fingerprint
+from model import ModelConfig, build_model
+from model.compiled import compile_core, compiled_graphs
+
+ROOT = Path(__file__).resolve().parents[1]
+MEMTRAIN = str(Path(sys.executable).parent / "memtrain")
+MECHANISMS = ("xl", "lamemo", "rmt")
+
+
+def model_config(a, mechanism: str) -> ModelConfig:
+    return ModelConfig(mechanism=mechanism, vocab_size=a.vocab, n_layer=a.n_layer,
+                       d_model=a.d_model, n_head=a.n_head, d_inner=a.d_inner, dropout=0.1,
+                       tgt_len=a.seg_len, mem_len=a.mem_len, rmt={"num_mem_tokens": 10})
+
+
+class Stepper:
+    """One model, its Adam and its memory, stepping over random segments."""
+
+    def __init__(self, model, a):
+        self.model, self.a, self.state = model, a, None
+        self.opt = torch.optim.Adam(model.parameters(), 2.5e-4)
+        self.data = torch.Generator().manual_seed(1)
+
+    def step(self) -> float:
+        a = self.a
+        seg = torch.randint(0, a.vocab, (a.batch, a.seg_len + 1), generator=self.data)
+        start = time.process_time()
+        out = self.model(seg[:, :-1], self.state, targets=seg[:, 1:])
+        out.loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.state = out.state.detach()
+        return time.process_time() - start
+
+
+def run_model(a) -> list[dict]:
+    rows = []
+    for mechanism in a.mechanisms:
+        torch.manual_seed(0)
+        base = build_model(model_config(a, mechanism))
+        variants = {"eager": base}
+        for name, fallback in (("compiled", True), ("compiled, Inductor RNG", False)):
+            model = copy.deepcopy(base)
+            if fallback:
+                compile_core(model)
+            else:  # the same, with Inductor drawing dropout masks in its kernels
+                model.core.forward = torch.compile(model.core.forward)
+            variants[name] = model
+        steppers = {name: Stepper(m, a) for name, m in variants.items()}
+        first, graphs = {}, {}
+        for name, stepper in steppers.items():
+            before, start = compiled_graphs(), time.perf_counter()
+            for _ in range(3):  # memory 0, then full (twice): every graph compiled
+                stepper.step()
+            first[name] = round(time.perf_counter() - start, 1)
+            graphs[name] = compiled_graphs() - before
+        names, times = list(steppers), {name: [] for name in steppers}
+        for r in range(a.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                times[name].append(sum(steppers[name].step() for _ in range(a.steps)))
+        for name in names:
+            ratios = [e / t for e, t in zip(times["eager"], times[name], strict=True)]
+            row = {"mechanism": mechanism, "variant": name,
+                   "cpu_s_per_step": round(statistics.median(times[name]) / a.steps, 3),
+                   "speedup_vs_eager": round(statistics.median(ratios), 3),
+                   "speedup_range": [round(min(ratios), 3), round(max(ratios), 3)],
+                   "first_3_steps_wall_s": first[name], "graphs": graphs[name]}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def random_corpus(path: Path, vocab: int, n_tokens: int) -> Path:
+    """Uniform random symbols: the speed of a step does not depend on what it learns."""
+    path.mkdir(parents=True, exist_ok=True)
+    ids = np.random.default_rng(0).integers(0, vocab, n_tokens).astype(id_dtype(vocab))
+    splits = {split: write_token_split(path, split, [ids if split == "train" else ids[:20000]],
+                                       id_dtype(vocab), 65536, 4)
+              for split in ("train", "valid", "test")}
+    meta = {"kind": "synthetic", "generator": "uniform", "size": vocab}
+    write_manifest(path, Manifest(kind="tokens", source="uniform", vocab=meta,
+                                  vocab_fingerprint=fingerprint(meta), vocab_size=vocab,
+                                  dtype=str(id_dtype(vocab)), chunk_tokens=65536, splits=splits))
+    return path
+
+
+def run_train(a) -> list[dict]:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        data = random_corpus(tmp / "data", a.vocab, 2_000_000)
+        for mechanism in a.mechanisms:
+            results = {}
+            for compiled in (False, True):
+                name = f"{mechanism}-{'compiled' if compiled else 'eager'}"
+                cfg = {"name": name, "run_dir": str(tmp / name), "max_steps": a.train_steps,
+                       "log_every": a.log_every, "threads": a.threads, "seed": 0,
+                       "model": {**model_config(a, mechanism).to_dict(), "compile": compiled},
+                       "data": {"path": str(data), "global_batch": a.batch},
+                       "optim": {"lr": 2.5e-4, "schedule": "constant"},
+                       "eval": {"every": 0, "max_segments": 1},
+                       "tracking": {"enabled": False}}
+                if mechanism == "rmt":
+                    cfg["bptt"] = {"depth": 1}
+                (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
+                start = time.perf_counter()
+                subprocess.run([MEMTRAIN, "train", "--config", str(tmp / f"{name}.yaml"),
+                                "--no-resume"], cwd=ROOT, check=True, capture_output=True)
+                wall = time.perf_counter() - start
+                lines = [json.loads(x) for x in (tmp / name / "metrics.jsonl").read_text()
+                         .splitlines()]
+                logged = [x for x in lines if "tokens_per_s" in x]
+                results[compiled] = {
+                    "tokens_per_s": statistics.median(x["tokens_per_s"] for x in logged[1:]),
+                    "graphs": logged[-1].get("compiled_graphs", 0), "wall_s": wall,
+                    "losses": [round(x["loss"], 5) for x in logged]}
+            eager, comp = results[False], results[True]
+            row = {"mechanism": mechanism, "eager_tokens_per_s": round(eager["tokens_per_s"]),
+                   "compiled_tokens_per_s": round(comp["tokens_per_s"]),
+                   "speedup": round(comp["tokens_per_s"] / eager["tokens_per_s"], 3),
+                   "graphs": comp["graphs"],
+                   "extra_wall_s": round(comp["wall_s"] - eager["wall_s"], 1),
+                   "eager_losses": eager["losses"], "compiled_losses": comp["losses"]}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def run_profile(a) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for name in ("eager", "compiled"):
+        torch.manual_seed(0)
+        model = build_model(model_config(a, "xl"))
+        if name == "compiled":
+            compile_core(model)
+        stepper = Stepper(model, a)
+        for _ in range(3):
+            stepper.step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                stepper.step()
+        events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        total = sum(e.self_cpu_time_total for e in events)
+        out[name] = [{"op": e.key[:60], "self_cpu_share": round(e.self_cpu_time_total / total, 3),
+                      "calls": e.count} for e in events[:12]]
+        print(name, json.dumps(out[name], indent=1), flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_size_args(p)
+    p.add_argument("--parts", default="model,train,profile")
+    p.add_argument("--mechanisms", default=",".join(MECHANISMS))
+    p.add_argument("--seg-len", type=int, default=128)
+    p.add_argument("--mem-len", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--steps", type=int, default=2, help="steps per variant per round")
+    p.add_argument("--train-steps", type=int, default=60)
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--quick", action="store_true", help="tiny shapes, one round")
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    a.mechanisms = a.mechanisms.split(",")
+    if a.quick:
+        a.n_layer, a.d_model, a.d_inner, a.seg_len, a.mem_len, a.batch = 1, 32, 64, 16, 16, 2
+        a.rounds, a.train_steps, a.log_every = 1, 4, 2
+    torch.set_num_threads(a.threads)
+    results = {"shape": {k: getattr(a, k) for k in ("n_layer", "d_model", "n_head", "d_inner",
+                                                     "vocab", "seg_len", "mem_len", "batch",
+                                                     "threads")},
+               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+    parts = a.parts.split(",")
+    if "model" in parts:
+        results["model"] = run_model(a)
+    if "train" in parts:
+        results["train"] = run_train(a)
+    if "profile" in parts:
+        results["profile"] = run_profile(a)
+    write_json(a.json, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
