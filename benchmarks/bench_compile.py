@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -35,8 +36,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
+# Idle OpenMP threads sleep instead of spinning: a spinning thread is charged CPU time that
+# does no work, which on a shared machine would blur the CPU-time ratios. Must be set before
+# torch loads its OpenMP runtime.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 import yaml
 from common import add_model_size_args, write_json
 

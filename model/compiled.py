@@ -53,6 +53,14 @@ def compile_core(model: nn.Module) -> None:
 def compiled_graphs() -> int:
     """How many graphs torch.compile has built in this process so far (each recompile of a
     guard failure, e.g. a new memory length, adds one)."""
-    from torch._dynamo.utils import counters  # torch's own compile statistics
+    # torch's own compile statistics; imported on use: torch._dynamo takes seconds to load.
+    from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def graph_breaks() -> int:
+    """How many times torch.compile had to split a graph (0 for every mechanism today)."""
+    from torch._dynamo.utils import counters  # on use, as above
+
+    return int(sum(counters["graph_break"].values()))

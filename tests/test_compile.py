@@ -13,7 +13,7 @@ import torch
 from train_helpers import run_train, step_losses, tiny_config
 
 from model import ModelConfig, build_model
-from model.compiled import compile_core, compiled_graphs
+from model.compiled import compile_core, compiled_graphs, graph_breaks
 
 pytestmark = pytest.mark.slow
 
@@ -50,15 +50,16 @@ def runs():
     out = {}
     for mechanism in ("xl", "lamemo", "rmt"):
         eager, _, _ = _train(mechanism, False)
-        before = compiled_graphs()
+        before, breaks = compiled_graphs(), graph_breaks()
         losses, graphs, model = _train(mechanism, True)
-        out[mechanism] = (eager, losses, [g - before for g in graphs], model)
+        out[mechanism] = (eager, losses, [g - before for g in graphs], model,
+                          graph_breaks() - breaks)
     return out
 
 
 @pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt"])
 def test_compiled_training_has_the_eager_losses_dropout_included(runs, mechanism):
-    eager, compiled, _, _ = runs[mechanism]
+    eager, compiled, *_ = runs[mechanism]
     assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
     # Not trivially equal: the losses move (training happens, dropout differs per step).
     assert len(set(eager)) == STEPS
@@ -67,15 +68,22 @@ def test_compiled_training_has_the_eager_losses_dropout_included(runs, mechanism
 def test_a_memory_growing_to_mem_len_compiles_one_graph_per_length_then_none(runs):
     # XL's memory is 0, 8, 16 long at steps 1-3 and 16 from then on: 1 + MEM / TGT graphs,
     # the last two steps reuse the last one.
-    _, _, graphs, _ = runs["xl"]
+    graphs = runs["xl"][2]
     assert graphs == [1, 2, 3, 3, 3]
     # LaMemo's memory grows the same way; RMT's cache too (it ends at the same steps).
     assert runs["lamemo"][2][-1] == runs["lamemo"][2][-3] <= 1 + MEM // TGT
     assert runs["rmt"][2][-1] == runs["rmt"][2][-3] <= 1 + MEM // TGT
 
 
+@pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt"])
+def test_each_mechanism_compiles_into_whole_graphs_without_breaks(runs, mechanism):
+    # A graph break splits the forward into pieces compiled apart, with eager Python in
+    # between: what fusion there is gets lost at the seams, and each piece guards anew.
+    assert runs[mechanism][4] == 0
+
+
 def test_evaluation_without_gradients_stays_eager_and_compiles_nothing(runs):
-    _, _, _, model = runs["xl"]
+    model = runs["xl"][3]
     before = compiled_graphs()
     model.eval()
     with torch.no_grad():
