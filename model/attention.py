@@ -137,7 +137,7 @@ def relative_attention(
     if kernel == "one_pass":
         prob32, lse = relative_softmax((qh + u_bias[:, None, :]) * scale, kh,
                                        (qh + v_bias[:, None, :]) * scale, r.permute(1, 2, 0),
-                                       mask, skew_start)
+                                       mask, skew_start, with_lse=need_lse)
         out = _weighted_values(prob32, vh, dropatt)
         return out.transpose(1, 2), lse.transpose(1, 2) if need_lse else None
 
