@@ -129,7 +129,8 @@ def relative_attention(
     kh = k.transpose(1, 2)
     vh = v.transpose(1, 2)
     mask = allowed[:, None] if allowed.dim() == 3 else allowed  # [B|1, 1, Q, K]
-    kernel = choose_kernel(impl, q.device.type, need_lse=need_lse, record=probs is not None)
+    kernel = choose_kernel(impl, q.device.type, need_lse=need_lse, record=probs is not None,
+                           grad=torch.is_grad_enabled())
     # The 1/sqrt(d_head) scale (Vaswani et al. 2017 §3.2.1; XL §3.3 keeps it) is applied to
     # the query side BEFORE each matmul: the same scores, but in fp16 (V100) the unscaled
     # products (q+u)^T k and (q+v)^T W R can exceed 65504 and become inf before any later

@@ -137,7 +137,8 @@ def sdpa_head_pad(d_head: int, device_type: str) -> int:
     return -d_head % SDPA_HEAD_MULTIPLE
 
 
-def choose_kernel(impl: str, device_type: str, *, need_lse: bool, record: bool) -> str:
+def choose_kernel(impl: str, device_type: str, *, need_lse: bool, record: bool,
+                  grad: bool = True) -> str:
     """Which exact path relative_attention takes: "plain", "one_pass" or "sdpa".
 
     - impl "plain" or a recording (attn_log wants the probabilities): the plain reference.
@@ -145,8 +146,10 @@ def choose_kernel(impl: str, device_type: str, *, need_lse: bool, record: bool) 
     - need_lse (LaMemo's branches): "one_pass", the only path whose log-normaliser has a
       gradient (SDPA kernels return none, or one without a backward).
     - CUDA: "sdpa" (memory-efficient kernel with the bias, head padded to a multiple of 8).
-    - CPU: "one_pass". With a float bias SDPA can only take its math path here, which
-      materialises more [B, H, Q, K] tensors (BENCHMARKS.md, issue 14 item 4).
+    - CPU with gradients: "one_pass". With a float bias SDPA can only take its math path
+      here, whose backward keeps more [B, H, Q, K] tensors: one_pass measured 0.78x its time
+      per training call at the WT103 shape (benchmarks/bench_lamemo_cost.py --kernels).
+    - CPU without gradients (evaluation): "sdpa", measured 0.79x one_pass's forward time.
     """
     if impl == "plain" or record:
         return "plain"
@@ -154,7 +157,7 @@ def choose_kernel(impl: str, device_type: str, *, need_lse: bool, record: bool) 
         return impl  # forced (benchmarks, tests); "sdpa" has no log-normaliser
     if need_lse:
         return "one_pass"
-    return "sdpa" if device_type == "cuda" else "one_pass"
+    return "sdpa" if device_type == "cuda" or not grad else "one_pass"
 
 
 def sdpa_relative(qu, k, v, bias, *, dropatt: float, scale: float,

@@ -156,6 +156,9 @@ def test_kernel_choice_follows_device_lse_and_recording():
     assert choose_kernel("fused", "cuda", need_lse=True, record=False) == "one_pass"
     assert choose_kernel("fused", "cuda", need_lse=False, record=False) == "sdpa"
     assert choose_kernel("fused", "cpu", need_lse=False, record=False) == "one_pass"
+    # Evaluation on the CPU: SDPA's forward (math path) is the faster one there.
+    assert choose_kernel("fused", "cpu", need_lse=False, record=False, grad=False) == "sdpa"
+    assert choose_kernel("fused", "cpu", need_lse=True, record=False, grad=False) == "one_pass"
     # Forced kernels (benchmarks): honoured, except that a recording always takes plain.
     assert choose_kernel("sdpa", "cpu", need_lse=False, record=False) == "sdpa"
     assert choose_kernel("one_pass", "cuda", need_lse=False, record=False) == "one_pass"
