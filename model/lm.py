@@ -125,8 +125,9 @@ class MemoryLM(nn.Module):
         identically.
 
         recompute: what a checkpointed segment keeps besides its inputs, so that its re-run
-        skips those ops ("full": nothing; "save-ffn-out", "save-linear", "save-matmul":
-        model/recompute.py). Ignored without checkpoint_segment."""
+        skips those ops ("full": nothing; "save-masks", "save-ffn-out", "save-linear",
+        "save-matmul" and "save-masks+..." in model/recompute.py). Every policy is exact.
+        Ignored without checkpoint_segment."""
         if checkpoint_segment and torch.is_grad_enabled():
             ctx = context_fn(recompute, self.cfg.d_inner)
             extra = {} if ctx is None else {"context_fn": ctx}
