@@ -34,8 +34,9 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from .bpe import BPEVocab
 from .download import SOURCES, Remote, extract_member, fetch_remote
-from .vocab import BPEVocab, ByteVocab, SymbolVocab, Vocab, WordVocab
+from .vocab import ByteVocab, SymbolVocab, Vocab, WordVocab
 
 CORPORA = ("enwik8", "text8", "wt103", "wt2", "ptb", "text")
 SPLITS = ("train", "valid", "test")

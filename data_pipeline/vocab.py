@@ -8,10 +8,10 @@ Four kinds, one interface (`Vocab`):
                 lines too), specials first, then words by descending train frequency (ties: first
                 occurrence) -- the adaptive-softmax cutoffs assume that order (model/adaptive.py;
                 Grave et al. 2016 §3.3 cluster the vocabulary by frequency).
-- `BPEVocab`    byte-level BPE trained with the `tokenizers` library.
+- `BPEVocab`    byte-level BPE trained with the `tokenizers` library (bpe.py).
 
-`to_dict()` is complete (the shard manifest stores it and `vocab_from_dict` rebuilds the same
-vocabulary); `fingerprint(d)` hashes a vocabulary description's canonical JSON, and
+`to_dict()` is complete (the shard manifest stores it and `vocabs.vocab_from_dict` rebuilds
+the same vocabulary); `fingerprint(d)` hashes a vocabulary description's canonical JSON, and
 `Vocab.fingerprint()` is that of `to_dict()`. `encode_stream` tokenizes a byte stream given in
 arbitrary chunks and yields exactly what `encode` gives for the whole stream: every kind keeps
 what a chunk boundary would cut (a multi-byte character, a line, a BPE pre-token) for the next
@@ -61,7 +61,7 @@ def _as_bytes(text: str | bytes | bytearray | memoryview) -> bytes:
     return text.encode("utf-8") if isinstance(text, str) else bytes(text)
 
 
-def _as_str(text: str | bytes | bytearray | memoryview, where: str = "") -> str:
+def as_text(text: str | bytes | bytearray | memoryview, where: str = "") -> str:
     if isinstance(text, str):
         return text
     try:
@@ -70,7 +70,7 @@ def _as_str(text: str | bytes | bytearray | memoryview, where: str = "") -> str:
         raise ValueError(f"{where or 'input'}: invalid UTF-8 at byte {e.start}: {e.reason}") from e
 
 
-def _where(where: str) -> str:
+def located(where: str) -> str:
     return f" in {where}" if where else ""
 
 
@@ -184,7 +184,7 @@ class SymbolVocab(Vocab):
     def _codes(self, text: str | bytes, where: str) -> np.ndarray:
         if self.unit == "bytes":
             return np.frombuffer(_as_bytes(text), dtype=np.uint8)
-        s = _as_str(text, where)
+        s = as_text(text, where)
         return np.frombuffer(s.encode("utf-32-le"), dtype=np.uint32)
 
     def _symbol_repr(self, code: int) -> str:
@@ -205,7 +205,7 @@ class SymbolVocab(Vocab):
             bad = int(np.flatnonzero(ids < 0)[0])
             unit = "byte offset" if self.unit == "bytes" else "character"
             raise ValueError(f"{self._symbol_repr(int(codes[bad]))} at {unit} {base + bad}"
-                             f"{_where(where)} is not in the symbol vocabulary")
+                             f"{located(where)} is not in the symbol vocabulary")
         return ids.astype(self.id_dtype)
 
     def encode(self, text: str | bytes, where: str = "") -> np.ndarray:
@@ -231,7 +231,7 @@ class SymbolVocab(Vocab):
                     done += len(text)
             tail = dec.decode(b"", final=True)
         except UnicodeDecodeError as e:
-            raise ValueError(f"invalid UTF-8{_where(where)} in the chunk ending at byte {offset}: "
+            raise ValueError(f"invalid UTF-8{located(where)} in the chunk ending at byte {offset}: "
                              f"{e.reason}") from None
         if tail:
             yield self._lookup(self._codes(tail, where), where, done)
@@ -313,9 +313,9 @@ class WordVocab(Vocab):
         for n, line in enumerate(lines):
             for w in line.split():
                 if w not in self.index:
-                    return ValueError(f"unknown word {w!r} at line {first_line + n}{_where(where)} "
-                                      "(the vocabulary has no <unk>)")
-        return ValueError(f"unknown word{_where(where)}")  # pragma: no cover - unreachable
+                    return ValueError(f"unknown word {w!r} at line {first_line + n}"
+                                      f"{located(where)} (the vocabulary has no <unk>)")
+        return ValueError(f"unknown word{located(where)}")  # pragma: no cover - unreachable
 
     def encode_lines(self, lines: Iterable[str], where: str = "",
                      first_line: int = 1) -> np.ndarray:
@@ -341,7 +341,7 @@ class WordVocab(Vocab):
         return lines[:-1] if text.endswith("\n") else lines
 
     def encode(self, text: str | bytes, where: str = "") -> np.ndarray:
-        return self.encode_lines(self.split_lines(_as_str(text, where)), where)
+        return self.encode_lines(self.split_lines(as_text(text, where)), where)
 
     def encode_stream(self, chunks: Iterable[bytes], where: str = "") -> Iterator[np.ndarray]:
         carry = b""
@@ -351,11 +351,11 @@ class WordVocab(Vocab):
             cut = buf.rfind(b"\n") + 1
             carry = buf[cut:]
             if cut:
-                lines = _as_str(buf[: cut - 1], f"{where} line {line_no}").split("\n")
+                lines = as_text(buf[: cut - 1], f"{where} line {line_no}").split("\n")
                 yield self.encode_lines(lines, where, line_no)
                 line_no += len(lines)
         if carry:
-            yield self.encode_lines([_as_str(carry, f"{where} line {line_no}")], where, line_no)
+            yield self.encode_lines([as_text(carry, f"{where} line {line_no}")], where, line_no)
 
     def decode(self, ids) -> str:
         """Words joined by spaces, <eos> as a line end (inverse of encode on text whose lines
@@ -377,127 +377,3 @@ class WordVocab(Vocab):
 
     def __repr__(self) -> str:
         return f"WordVocab(size={self.size}, unk={self.unk_id is not None})"
-
-
-# --------------------------------------------------------------------------- BPE
-# A cut right after "\n" with printable, non-space ASCII on both sides leaves the byte-level
-# pre-tokenizer's pieces unchanged (GPT-2 split regex: the lone "\n" is its own piece either
-# way and nothing joins across it), so encoding the two sides separately equals encoding the
-# whole. Any other cut (inside a word, inside a whitespace run) may change the BPE pieces.
-_BPE_PIECE_CHARS = 1 << 16  # encode_batch pieces: big enough to amortise, small enough to spread
-
-
-def _safe_newline(text: str, j: int) -> bool:
-    return 0 < j < len(text) - 1 and "!" <= text[j - 1] <= "~" and "!" <= text[j + 1] <= "~"
-
-
-def _next_safe_cut(text: str, pos: int) -> int | None:
-    while (j := text.find("\n", pos)) >= 0:
-        if _safe_newline(text, j):
-            return j + 1
-        pos = j + 1
-    return None
-
-
-def _last_safe_cut(text: str, lo: int) -> int | None:
-    end = len(text)
-    while (j := text.rfind("\n", lo, end)) >= 0:
-        if _safe_newline(text, j):
-            return j + 1
-        end = j
-    return None
-
-
-def _safe_pieces(text: str, piece: int) -> tuple[list[str], str]:
-    """Split text at safe cuts into pieces of about `piece` characters; return (pieces, rest)
-    where `rest` (after the last safe cut) may still join with what follows."""
-    pieces: list[str] = []
-    start = 0
-    while start + piece < len(text) and (cut := _next_safe_cut(text, start + piece)) is not None:
-        pieces.append(text[start:cut])
-        start = cut
-    cut = _last_safe_cut(text, start + 1)
-    if cut is not None:
-        pieces.append(text[start:cut])
-        start = cut
-    return pieces, text[start:]
-
-
-class BPEVocab(Vocab):
-    """Byte-level BPE (`tokenizers`): GPT-2 pre-tokenization, no prefix space, no specials, so
-    decode(encode(text)) == text for any text. `to_dict` keeps the tokenizer's own JSON."""
-
-    kind = "bpe"
-
-    def __init__(self, tokenizer_json: str):
-        from tokenizers import Tokenizer
-
-        self.tokenizer_json = tokenizer_json
-        self.tokenizer = Tokenizer.from_str(tokenizer_json)
-        self.size = self.tokenizer.get_vocab_size(with_added_tokens=True)
-
-    @classmethod
-    def build(cls, texts: Iterable[str], vocab_size: int = 32000, min_frequency: int = 2,
-              progress: bool = False) -> BPEVocab:
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-        if vocab_size <= 256:
-            raise ValueError(f"byte-level BPE needs vocab_size > 256 (the byte alphabet), "
-                             f"got {vocab_size}")
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency,
-                                      show_progress=progress, special_tokens=[],
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-        tok.train_from_iterator([texts] if isinstance(texts, str) else texts, trainer=trainer)
-        return cls(tok.to_str())
-
-    def _encode_pieces(self, pieces: list[str]) -> np.ndarray:
-        pieces = [p for p in pieces if p]
-        if not pieces:
-            return np.zeros(0, dtype=self.id_dtype)
-        encs = self.tokenizer.encode_batch_fast(pieces, add_special_tokens=False)
-        n = sum(len(e.ids) for e in encs)
-        return np.fromiter((i for e in encs for i in e.ids), dtype=self.id_dtype, count=n)
-
-    def encode(self, text: str | bytes, where: str = "") -> np.ndarray:
-        pieces, rest = _safe_pieces(_as_str(text, where), _BPE_PIECE_CHARS)
-        return self._encode_pieces(pieces + [rest])
-
-    def encode_stream(self, chunks: Iterable[bytes], where: str = "") -> Iterator[np.ndarray]:
-        dec = codecs.getincrementaldecoder("utf-8")()
-        carry = ""
-        offset = 0
-        try:
-            for chunk in chunks:
-                pieces, carry = _safe_pieces(carry + dec.decode(chunk), _BPE_PIECE_CHARS)
-                offset += len(chunk)
-                if pieces:
-                    yield self._encode_pieces(pieces)
-            carry += dec.decode(b"", final=True)
-        except UnicodeDecodeError as e:
-            raise ValueError(f"invalid UTF-8{_where(where)} near byte {offset + e.start}: "
-                             f"{e.reason}") from None
-        if carry:
-            yield self._encode_pieces([carry])
-
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode(np.asarray(ids).tolist(), skip_special_tokens=False)
-
-    def to_dict(self) -> dict:
-        return {"kind": self.kind, "tokenizer": self.tokenizer_json}
-
-
-# --------------------------------------------------------------------------- (de)serialisation
-def vocab_from_dict(d: dict) -> Vocab:
-    kind = d.get("kind")
-    if kind == "bytes":
-        return ByteVocab()
-    if kind == "symbols":
-        return SymbolVocab(d["symbols"], unit=d.get("unit", "bytes"))
-    if kind == "words":
-        return WordVocab(d["words"], d.get("specials", (EOS,)), eos=d.get("eos", EOS))
-    if kind == "bpe":
-        return BPEVocab(d["tokenizer"])
-    raise ValueError(f"unknown vocabulary kind {kind!r}; known: bytes, symbols, words, bpe")

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from data_pipeline.shards import load_manifest
-from data_pipeline.vocab import vocab_from_dict
+from data_pipeline.vocabs import vocab_from_dict
 from model import ConfigError, load_model, stream_generate
 from train.checkpoint import MARKER
 from train.export import load_weights

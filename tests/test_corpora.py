@@ -13,18 +13,13 @@ import zipfile
 import numpy as np
 import pytest
 
+from data_pipeline import bpe as bpe_mod
 from data_pipeline import corpora
-from data_pipeline import vocab as vocab_mod
+from data_pipeline.bpe import BPEVocab
 from data_pipeline.corpora import CORPORA, HELDOUT_BYTES, open_corpus
 from data_pipeline.download import ChecksumError, Remote, extract_member, fetch
-from data_pipeline.vocab import (
-    BPEVocab,
-    ByteVocab,
-    SymbolVocab,
-    WordVocab,
-    dtype_for,
-    vocab_from_dict,
-)
+from data_pipeline.vocab import ByteVocab, SymbolVocab, WordVocab, dtype_for
+from data_pipeline.vocabs import vocab_from_dict
 
 H = 64  # held-out bytes (valid and test each) in the tiny enwik8/text8 files
 
@@ -210,7 +205,7 @@ def test_bpe_cuts_at_safe_newlines_give_the_unsplit_encoding(monkeypatch):
     v = BPEVocab.build([_bpe_text()], vocab_size=320)
     text = _bpe_text() * 3
     whole = v.tokenizer.encode(text, add_special_tokens=False).ids
-    monkeypatch.setattr(vocab_mod, "_BPE_PIECE_CHARS", 17)  # force many encode_batch pieces
+    monkeypatch.setattr(bpe_mod, "_BPE_PIECE_CHARS", 17)  # force many encode_batch pieces
     assert v.encode(text).tolist() == whole
     raw = text.encode()
     stream = v.encode_stream(raw[i:i + 5] for i in range(0, len(raw), 5))
