@@ -238,7 +238,7 @@ def profile_recompute(a) -> dict:
         if n != "plain":
             top = ", ".join(f"{op} {v / total:.0%}" for op, v in
                             list(out[n]["extra_by_op"].items())[:6])
-            print(f"  {n:<14} step {out[n]['step_cpu_s']:.2f} s, extra {total:.2f} s "
+            print(f"  {n:<19} step {out[n]['step_cpu_s']:.2f} s, extra {total:.2f} s "
                   f"({total / out['plain']['step_cpu_s']:.0%} of plain): {top}", flush=True)
     return out
 
@@ -272,7 +272,7 @@ def measure_recompute(a) -> dict:
         mem["ratio"] = mem[kn]["peak_mb"] / mem[k1]["peak_mb"]
         times = "  ".join(f"time k={k}: {out['time'][k][n]['ratio_vs_plain']:.2f}x"
                           for k in a.recompute_time_depths)
-        print(f"  {n:<20}{times}  peak k={k1}: {mem[k1]['peak_mb']:.0f} MB, k={kn}: "
+        print(f"  {n:<25}{times}  peak k={k1}: {mem[k1]['peak_mb']:.0f} MB, k={kn}: "
               f"{mem[kn]['peak_mb']:.0f} MB ({mem['ratio']:.2f}x)", flush=True)
     return out
 

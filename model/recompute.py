@@ -51,6 +51,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
@@ -97,17 +98,25 @@ _BERNOULLI = _aten.bernoulli_.float
 
 
 def _pack(draw: torch.Tensor) -> torch.Tensor:
-    """bernoulli_'s 0/1 values -> 8 per byte (1/32 of the fp32 noise)."""
+    """bernoulli_'s 0/1 values -> 8 per byte (1/32 of the fp32 noise). On the CPU numpy's
+    packbits, ~15x faster than the torch ops below (which would eat a third of the RNG
+    time saved)."""
+    if draw.device.type == "cpu":
+        return torch.from_numpy(np.packbits(draw.detach().numpy().reshape(-1) != 0))
     flat = draw.reshape(-1).to(torch.uint8)
     flat = torch.cat([flat, flat.new_zeros(-flat.numel() % 8)])
-    bit = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=flat.device)
+    bit = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=flat.device)
     return (flat.view(-1, 8) * bit).sum(1, dtype=torch.uint8)
 
 
 def _unpack_into(target: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    shift = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    bits = (packed[:, None] >> shift) & 1
-    return target.copy_(bits.reshape(-1)[:target.numel()].view(target.shape))
+    n = target.numel()
+    if packed.device.type == "cpu":
+        bits = torch.from_numpy(np.unpackbits(packed.numpy(), count=n))
+    else:   # numpy's bit order: the first value in the most significant bit
+        shift = torch.arange(7, -1, -1, dtype=torch.uint8, device=packed.device)
+        bits = ((packed[:, None] >> shift) & 1).reshape(-1)[:n]
+    return target.copy_(bits.view(target.shape))
 
 
 def _shapes(args) -> tuple:
