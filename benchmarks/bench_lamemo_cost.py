@@ -234,7 +234,7 @@ def measure_kernels(shape: str, args) -> dict:
         "plain": lambda *t: relative_attention(*t, allowed, impl="plain")[0],
         "plain+lse": lambda *t: relative_attention(*t, allowed, impl="plain",
                                                    need_lse=True)[0],
-        "one_pass": lambda *t: relative_attention(*t, allowed, impl="fused")[0],
+        "one_pass": lambda *t: relative_attention(*t, allowed, impl="one_pass")[0],
         "sdpa(math on CPU)": sdpa,
         "flex": flex,
     }

@@ -147,9 +147,9 @@ def choose_kernel(impl: str, device_type: str, *, need_lse: bool, record: bool,
       gradient (SDPA kernels return none, or one without a backward).
     - CUDA: "sdpa" (memory-efficient kernel with the bias, head padded to a multiple of 8).
     - CPU with gradients: "one_pass". With a float bias SDPA can only take its math path
-      here, whose backward keeps more [B, H, Q, K] tensors: one_pass measured 0.78x its time
+      here, whose backward keeps more [B, H, Q, K] tensors: one_pass measured 0.74x its time
       per training call at the WT103 shape (benchmarks/bench_lamemo_cost.py --kernels).
-    - CPU without gradients (evaluation): "sdpa", measured 0.79x one_pass's forward time.
+    - CPU without gradients (evaluation): "sdpa", measured 0.89x one_pass's forward time.
     """
     if impl == "plain" or record:
         return "plain"
