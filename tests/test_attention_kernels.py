@@ -3,6 +3,8 @@ reference path of relative_attention (itself checked term by term against XL §3
 test_attention.py), forward and backward; the kernel choice is the documented one."""
 
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -206,3 +208,25 @@ def test_lamemo_training_losses_state_and_gradients_equal_the_plain_reference():
     for name in g_p:
         torch.testing.assert_close(g_f[name], g_p[name], rtol=1e-4, atol=1e-5,
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                    reason="torch.compile's CPU backend needs a C++ compiler")
+def test_flex_attention_forward_with_positional_score_mod_equals_plain_path():
+    """FlexAttention (forward only: it has no backward on the CPU) with the positional term
+    as a score_mod over the un-skewed matrix and the causal + document-reset block mask.
+    d_head 41, memory, one short row. Compiles once (~30 s on a cold inductor cache)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from model.attention_kernels import flex_relative_attention
+
+    tensors, allowed, _ = _causal_case(8, 8, 41)
+    q, k, v, r, u, vb = (t.detach() for t in tensors)
+    scale = 1 / math.sqrt(41)
+    with torch.no_grad():
+        ref, _ = relative_attention(q, k, v, r, u, vb, allowed, impl="plain")
+        qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
+        bd = torch.matmul((qh + vb[:, None]) * scale, r.permute(1, 2, 0))
+        out = flex_relative_attention(qh + u[:, None], kh, vh, bd, allowed, scale=scale,
+                                      compiled=torch.compile(flex_attention))
+    torch.testing.assert_close(out.transpose(1, 2), ref)
