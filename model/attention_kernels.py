@@ -16,8 +16,8 @@ Three exact ways to compute softmax(A) V (model/attention.py holds the plain ref
   it is not (exact: zero columns add nothing to q·k, the padded output columns are dropped,
   the scale stays 1/sqrt(d_head)). Without a fused kernel SDPA runs its math fallback.
 - FlexAttention (`flex_relative_attention`): the positional term as a score_mod reading the
-  un-skewed [B, H, Q, D] matrix, the mask as a block mask. Needs torch.compile; measured on
-  the CPU by benchmarks/bench_lamemo_cost.py --flex, not chosen by default.
+  un-skewed [B, H, Q, D] matrix, the mask as a block mask. Needs torch.compile and has no
+  backward on the CPU; measured by benchmarks/bench_lamemo_cost.py --kernels, not chosen.
 """
 
 from __future__ import annotations
@@ -123,10 +123,10 @@ def relative_softmax(qu, k, qv, r_t, allowed, skew_start: int = 0, with_lse: boo
 
 # ----------------------------------------------------------------------------- kernel choice
 # The CUDA memory-efficient SDPA kernel reads the head dimension in aligned vectors; torch's
-# check (check_head_dim_size_mem_efficient in aten/.../transformers/sdp_utils.cpp) rejects a
-# last dimension that is not a multiple of 8 and SDPA then falls back to its math path.
-# FlashAttention pads to 8 by itself but accepts no attn_mask, and XL always needs the
-# positional bias, so it never applies here.
+# check (check_head_dim_size_mem_efficient in aten/.../transformers/sdp_utils.cpp, not part
+# of the CPU wheel, so not verifiable here) rejects a last dimension that is not a multiple
+# of 8 and SDPA then falls back to its math path. FlashAttention accepts no attn_mask at
+# all, and XL always needs the positional bias, so it never applies here.
 SDPA_HEAD_MULTIPLE = 8
 
 
