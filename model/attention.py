@@ -9,10 +9,11 @@ code and the slides):
 Two settings of `impl` compute softmax(A) V:
 - "plain": both terms as matmuls, masked softmax, dropout, matmul. The reference.
 - "fused": the fastest exact kernel for the device, picked by
-  `attention_kernels.choose_kernel`: on CUDA torch's scaled_dot_product_attention with the
+  `attention_kernels.choose_kernel`: torch's scaled_dot_product_attention with the
   positional term as an additive bias (plus -inf for masked keys; head padded for the fused
-  kernel), elsewhere and whenever the log-normaliser is needed the one-pass kernel
-  `relative_softmax` (one fp32 [B, H, Q, K] buffer, custom backward).
+  CUDA kernel) on CUDA and for CPU evaluation; the one-pass kernel `relative_softmax` (one
+  score buffer, fused softmax, custom backward) for CPU training and wherever the
+  log-normaliser is needed.
 LaMemo needs each query's log-normaliser logsumexp_j A_ij (with its gradient, Eq. 11); it is
 returned on request by the plain and one-pass paths (SDPA kernels do not expose it
 differentiably).
