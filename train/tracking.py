@@ -27,7 +27,6 @@ import contextlib
 import fcntl
 import json
 import logging
-import math
 import os
 import re
 import time
@@ -36,6 +35,7 @@ import urllib.request
 import warnings
 from pathlib import Path
 
+from .loss_curve import plot_loss_curve
 from .run_dir import RunDir, artifact_location, atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -47,9 +47,6 @@ MAX_PARAM_VALUE = 6000
 MAX_TAG_VALUE = 8000
 TRUNCATED = "...[truncated]"
 STATUSES = ("FINISHED", "FAILED", "KILLED")
-# Metric names the loss plot looks for, first match wins (log train/loss and valid/loss).
-TRAIN_LOSS_KEYS = ("train/loss", "train_loss", "loss")
-VALID_LOSS_KEYS = ("valid/loss", "valid_loss", "val_loss", "eval/loss")
 HEALTH_TIMEOUT_S = 3.0
 
 
@@ -75,54 +72,6 @@ def flatten_params(tree: dict, prefix: str = "") -> dict[str, str]:
         else:
             out[name] = str(value)
     return out
-
-
-def _read_points(metrics_jsonl: Path, keys: tuple[str, ...]) -> list[tuple[int, float]]:
-    """(step, value) of the first key in `keys` present in the file; the last line wins per
-    step, because a job resumed from an older checkpoint logs some steps again."""
-    by_key: dict[str, dict[int, float]] = {k: {} for k in keys}
-    try:
-        lines = Path(metrics_jsonl).read_text().splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        try:
-            rec = json.loads(line)
-            step = int(rec["step"])
-        except (ValueError, KeyError, TypeError):  # e.g. a line cut short by a crash
-            continue
-        for k in keys:
-            v = rec.get(k)
-            if isinstance(v, (int, float)) and math.isfinite(v):
-                by_key[k][step] = float(v)
-    return next((sorted(points.items()) for points in by_key.values() if points), [])
-
-
-def plot_loss_curve(metrics_jsonl: Path, out_png: Path) -> Path | None:
-    """Train loss against step, valid loss as points on top; None when there is no loss."""
-    train = _read_points(metrics_jsonl, TRAIN_LOSS_KEYS)
-    valid = _read_points(metrics_jsonl, VALID_LOSS_KEYS)
-    if not train and not valid:
-        return None
-    # matplotlib (~0.4 s to import) only when a figure is drawn. Figure + Agg canvas instead
-    # of pyplot: no global backend switch, no display needed.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4.5))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    if train:
-        ax.plot(*zip(*train, strict=True), label="train", linewidth=1.2)
-    if valid:
-        ax.plot(*zip(*valid, strict=True), "o", label="valid", markersize=5)
-    ax.set(xlabel="step", ylabel="loss (nats)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    out_png = Path(out_png)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=100, bbox_inches="tight")
-    return out_png
 
 
 def _clip(value: str, limit: int) -> str:
