@@ -20,7 +20,7 @@ differentiably).
 
 For analyses, `RelativeSelfAttention.attn_log` set to a list records every call's
 probabilities with an `AttnLayout` saying which rows and columns are memory, segment, or
-RMT read/write tokens (train/evaluation/memory_plots.py plots them).
+RMT read/write tokens (evaluation/memory_plots.py plots them).
 """
 
 from __future__ import annotations

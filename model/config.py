@@ -90,8 +90,10 @@ class ModelConfig:
     tie_projs: list[bool] = field(default_factory=list)
     init_std: float = 0.02
     proj_init_std: float = 0.01
-    # "fused" uses torch's scaled_dot_product_attention with the positional terms as an
-    # additive bias; "plain" is the reference einsum/softmax path.
+    # "fused": the fastest exact kernel for the device and the call (attention_kernels.py
+    # `choose_kernel`: SDPA with the positional term as a bias on CUDA and in CPU
+    # evaluation, the one-pass relative softmax in CPU training and for LaMemo's branches);
+    # "plain": the reference matmul/softmax path.
     attn_impl: str = "fused"
     # Activation checkpointing around every layer (torch.utils.checkpoint, non-reentrant).
     checkpoint_layers: bool = False
