@@ -12,8 +12,9 @@ import pytest
 import torch
 from train_helpers import run_train, step_losses, tiny_config
 
-from model import ModelConfig, build_model
+from model import ConfigError, ModelConfig, build_model
 from model.compiled import compile_core, compiled_graphs, graph_breaks
+from train.config import load_config
 
 pytestmark = pytest.mark.slow
 
@@ -126,6 +127,14 @@ def test_checkpointed_bptt_windows_recompute_through_the_compiled_graph():
     # The recompute in the backward runs with gradients enabled and the training shapes,
     # so it reuses the compiled graph, with the same dropout masks (RNG state restored).
     assert _rmt_windows(True) == pytest.approx(_rmt_windows(False), rel=1e-5, abs=1e-6)
+
+
+def test_compile_with_a_selective_recompute_policy_is_refused_naming_the_field(tmp_path):
+    cfg = tiny_config(tmp_path, "sel", model={"compile": True},
+                      bptt={"checkpoint_segments": True, "recompute": "save-linear"})
+    with pytest.raises(ConfigError, match="bptt.recompute.*model.compile"):
+        load_config(str(cfg))
+    load_config(str(cfg), ["bptt.recompute=full"])  # full recompute compiles: accepted
 
 
 def test_compiling_keeps_parameter_names_so_checkpoints_are_interchangeable():

@@ -238,6 +238,11 @@ def validate(cfg: RunConfig) -> RunConfig:
                "checkpointed segments; set bptt.checkpoint_segments: true or leave it 'full'")
         _check(b.keep_last_segments == 0, "bptt.keep_last_segments", "applies to "
                "checkpointed segments; set bptt.checkpoint_segments: true or leave it 0")
+    # The selective policies intercept aten ops with Python dispatch modes, under which
+    # torch.compile does not compile: the forward would silently run eager.
+    _check(not (cfg.model.compile and b.checkpoint_segments and b.recompute != "full"),
+           "bptt.recompute", f"{b.recompute!r} cannot run with model.compile: true (torch."
+           "compile does not trace its Python dispatch modes); use 'full' or compile: false")
 
     c = cfg.curriculum
     if c.segments:
