@@ -4,6 +4,8 @@
         --json benchmarks/results/bptt_memory.json
     python benchmarks/bench_bptt.py --parts speed --rounds 5 \
         --json benchmarks/results/bptt_speed.json
+    python benchmarks/bench_bptt.py --parts profile,recompute --keep-last 0,1 \
+        --json benchmarks/results/selective_recompute.json   # (exact command: that .md)
     python benchmarks/bench_bptt.py --quick                     # smoke check, < 60 s
 
 Parts (single process, bare model, no DeepSpeed; `train.bptt.run_window` as the engine runs
