@@ -3,16 +3,21 @@
 Activations are the tensors autograd saves for backward, read off model/ one by one (B rows
 per rank, L segment, M memory, K keys, D distances, H heads, dh, d, d_inner, V vocabulary,
 s bytes of the model dtype: 4 fp32, 2 bf16/fp16; each storage counted once):
-- attention (model/attention.py, `relative_attention`; Transformer-XL §3.3): torch.matmul
-  saves the folded operands of (q+v)·(W_kR R)^T ([B·H,Q,dh] copy, R expanded to [B·H,dh,D])
-  and of (q+u)·K^T; masked_fill the bool mask [B|1,Q,K]; softmax its fp32 output
-  [B,H,Q,K]; P·V the probabilities in the model dtype (bf16/fp16 only), any dropatt mask and
-  a [B·H,K,dh] copy of V. The linear layers keep their inputs: the layer input, [memory ∘
-  input] (kv_net), [B,Q,H·dh] (o_net) and the dropped-out R (once per segment). On a GPU the
-  fused path is SDPA's memory-efficient kernel with the positional term as a float bias: it
-  keeps q+u, the kv_net output, the bias [B,H,Q,K] (last dim padded to 16) in the model dtype,
-  its output and an fp32 log-sum-exp. On CPU SDPA takes its math path (BENCHMARKS.md,
-  "Model"): what the plain path saves, in fp32 for bf16/fp16 models (it upcasts).
+- attention (model/attention.py, `relative_attention`; Transformer-XL §3.3), the kernel that
+  model/attention_kernels.py `choose_kernel` picks in training:
+  - one-pass relative softmax (CPU training; LaMemo's branches everywhere): (q+u), (q+v),
+    K as a view of kv_net's output (V shares that storage; LaMemo's look-ahead reads the
+    causal call's), W_kR R once per call, the fp32 probabilities [B,H,Q,K]; then P·V keeps
+    a [B·H,K,dh] copy of V and P in the model dtype or dropped out (with its dropatt mask).
+  - SDPA's memory-efficient kernel on a GPU (XL, RMT): the positional term as a float bias;
+    it keeps q+u, k, v (copies padded to a multiple of 8 in the head when d_head is not),
+    the bias [B,H,Q,K] (last dim padded to 16) in the model dtype, its output and an fp32
+    log-sum-exp; the positional matmul its (q+v) copy and R expanded to [B·H,dh,D].
+  - plain reference (`attn_impl: plain`): the folded operands of both score matmuls, the
+    bool mask [B|1,Q,K], the fp32 softmax output, P in the model dtype, any dropatt mask and
+    a V copy.
+  The linear layers keep their inputs: the layer input, [memory ∘ input] (kv_net),
+  [B,Q,H·dh] (o_net) and the dropped-out R (once per segment).
 - sub-layers: a dropout mask per dropout (bool on CUDA, `native_dropout`; the noise in the
   model dtype on CPU); LayerNorm its input and row mean/rstd (fp32 on CUDA); the FFN W1's
   input, ReLU output and W2's input [B,Q,d_inner]; pre-LN the LayerNorms' inputs and outputs.
@@ -33,9 +38,9 @@ layer's dropout output [B,2m+L,d] (or of the memory LayerNorm's output [B,m,d]).
 Peak of a window (train/bptt.py `run_window`, one backward), walked block by block in
 reverse (head, each layer's FFN then attention, embedding): a block frees what it saved and,
 while it runs, adds its backward's allocations: 2·N·V fp32 log-prob gradients, W's gradient
-and SliceBackward's zeroed [V,d] (head); the score and K, V gradients plus torch's as_strided
-backward of the skew (model/positional.py: a zeroed [B,H,Q,D] storage, int64 indices of it
-and of the view); 3·[B,Q,d_inner] (FFN: CopySlices of the in-place ReLU); [V,d] (embedding).
+and SliceBackward's zeroed [V,d] (head); the score and K, V gradients plus the skew's
+backward (a [B,H,Q,D] gradient of the positional scores); 3·[B,Q,d_inner] (FFN: CopySlices
+of the in-place ReLU); [V,d] (embedding).
 A parameter used again in an earlier segment (all when k >= 1, the tied embedding always)
 holds a gradient buffer in the autograd engine until its last use. Segment checkpointing
 keeps each segment's memory and outputs and recomputes one segment at a time, layer
@@ -50,6 +55,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model import ModelConfig, build_model
+from model.attention_kernels import sdpa_head_pad
 
 
 @dataclass
@@ -130,32 +136,50 @@ def head_cluster_rows(cfg: ModelConfig) -> list[float]:
 
 
 def _attention(pos: Block, blk: Block, dm: Dims, q: int, k: int, dist: int, mask_rows: int,
-               need_lse: bool = False) -> None:
-    """Saved tensors of one `relative_attention` call (module docstring, first item): the
-    positional matmul's in `pos`, whose backward runs the skew's as_strided backward (a
-    zeroed [B,H,Q,D] storage, int64 indices of it and of the view) with the score gradient
-    and the K, V gradients (kv_net's output waits for both) alive; the rest in `blk`, whose
-    backward holds the fp32 probability gradients."""
+               need_lse: bool = False, kv_saved: bool = False) -> None:
+    """Saved tensors of one `relative_attention` call (module docstring, first item), for the
+    kernel `attention_kernels.choose_kernel` picks in training: the positional matmul's in
+    `pos`, whose backward runs the skew's backward with the score gradient and the K, V
+    gradients (kv_net's output waits for both) alive; the rest in `blk`, whose backward holds
+    the fp32 probability gradients. kv_saved: K and V are views of a kv_net output that an
+    earlier call already keeps (LaMemo's look-ahead reads the causal call's keys)."""
     c = dm.cfg
     b, h, dh, s = dm.rows, c.n_head, c.d_head, dm.s
     a_k, resid = b * h * q * k, 3 * b * q * c.d_model * s
-    pos.add("rel-pos", b * h * q * dh * s + b * h * dh * dist * s)   # (q+v) copy, R expanded
     pos.transient = a_k * (s + 8) + b * h * q * dist * (s + 8) + resid + 2 * b * k * h * dh * s
     blk.transient = a_k * 8 + resid
-    blk.add("scores", mask_rows * q * k)                              # bool mask
     if c.attn_impl == "fused" and not need_lse and dm.kernel == "cuda":
-        # memory-efficient SDPA kernel: q+u, out, kv output, bias, logsumexp
-        blk.add("qkv", 2 * b * h * q * dh * s + 2 * b * k * h * dh * s)
+        # memory-efficient SDPA kernel: q+u, out, k and v, bias, logsumexp; the head padded
+        # to a multiple of 8 (new q, k, v copies) when d_head is not one already.
+        dhp = dh + sdpa_head_pad(dh, "cuda")
+        pos.add("rel-pos", b * h * q * dh * s + b * h * dh * dist * s)   # (q+v) copy, R expanded
+        blk.add("scores", mask_rows * q * k)                              # bool mask
+        blk.add("qkv", 2 * b * h * q * dhp * s + 2 * b * k * h * dhp * s)
         blk.add("scores", b * h * q * (-(-k // 16) * 16) * s + b * h * (-(-q // 32) * 32) * 4)
         return
-    # CPU SDPA math path upcasts bf16/fp16 to fp32; the plain path keeps the model dtype.
-    sq = 4 if c.attn_impl == "fused" and not need_lse else s
-    blk.add("qkv", b * h * q * dh * sq + 2 * b * h * dh * k * sq)     # (q+u), K^T, V copies
+    if c.attn_impl == "fused":
+        # One-pass relative softmax (CPU training; LaMemo's branches everywhere): it keeps
+        # (q+u), (q+v), K as a view of kv_net's output (whose storage V shares), R's
+        # projection once per call (no batch copy) and the fp32 probabilities; no mask.
+        pos.add("rel-pos", b * h * q * dh * s + dist * h * dh * s)
+        blk.add("qkv", b * h * q * dh * s + b * h * dh * k * s)        # (q+u), V copy
+        if not kv_saved:
+            blk.add("qkv", 2 * b * k * h * dh * s)                    # kv_net's output
+        blk.add("scores", a_k * 4)
+        if c.dropatt > 0:                                             # mask, dropped P
+            blk.add("scores", a_k * dm.mask + a_k * s)
+        elif s != 4:
+            blk.add("scores", a_k * s)                                # P in the model dtype
+        return
+    # The plain reference path keeps the model dtype.
+    pos.add("rel-pos", b * h * q * dh * s + b * h * dh * dist * s)   # (q+v) copy, R expanded
+    blk.add("scores", mask_rows * q * k)                              # bool mask
+    blk.add("qkv", b * h * q * dh * s + 2 * b * h * dh * k * s)       # (q+u), K^T, V copies
     blk.add("scores", a_k * 4)                                        # fp32 softmax output
-    if sq != 4:
-        blk.add("scores", a_k * s)                                    # probabilities in dtype
+    if s != 4 or c.dropatt > 0:
+        blk.add("scores", a_k * s)                                    # P in dtype / dropped P
     if c.dropatt > 0:
-        blk.add("scores", a_k * dm.mask + (a_k * sq if sq == 4 else 0))
+        blk.add("scores", a_k * dm.mask)
 
 
 def _post_attention(blk: Block, dm: Dims, rows: int) -> None:
@@ -198,10 +222,11 @@ def _projections(blk: Block, dm: Dims, q_rows: int, kv_rows: int) -> None:
 
 
 def _attention_blocks(dm: Dims, params: int, q_rows: int, kv_rows: int, q: int, k: int,
-                      dist: int, mask_rows: int, need_lse: bool = False) -> list[Block]:
+                      dist: int, mask_rows: int, need_lse: bool = False,
+                      kv_saved: bool = False) -> list[Block]:
     pos, blk = Block("attention-positions", params=params * dm.s), Block("attention")
     _projections(pos, dm, q_rows, kv_rows)
-    _attention(pos, blk, dm, q, k, dist, mask_rows, need_lse)
+    _attention(pos, blk, dm, q, k, dist, mask_rows, need_lse, kv_saved)
     return [pos, blk]
 
 
@@ -223,7 +248,8 @@ def _lamemo_layers(dm: Dims, p: Params, first_in_window: bool) -> list[list[Bloc
     for i in range(c.n_layer):
         blocks = _attention_blocks(dm, p.attn, n, k, n, k, k, b, need_lse=True)   # causal
         if i < c.n_layer - 1:   # look-ahead (Eq. 7-9), interpolation (Eq. 10-11) with a graph
-            blocks += _attention_blocks(dm, 0, m, m, m, win, m, 1, need_lse=True)
+            blocks += _attention_blocks(dm, 0, m, m, m, win, m, 1, need_lse=True,
+                                        kv_saved=True)
             ahead = blocks[-1]                                         # (memory rows copied)
             ahead.add("lamemo", 3 * b * m * h * 4 + b * m * h * dh * s
                       + (b * m * h * s if s != 4 else 0))              # lse, α, C←
