@@ -70,6 +70,15 @@ def _peak_growth(prof) -> int:
     return peak
 
 
+def _data_ptr(t: torch.Tensor) -> int | None:
+    """The storage address of a live tensor; None for tensors without data (the fake
+    tensors a torch.compile earlier in the process may leave behind)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+
+
 def measure(cfg: ModelConfig, rows: int, depth: int, checkpoint_segments: bool,
             precision: str = "fp32", seed: int = 0) -> dict:
     """Saved-tensor bytes and peak allocation growth of one window of depth+1 segments."""
@@ -96,8 +105,7 @@ def measure(cfg: ModelConfig, rows: int, depth: int, checkpoint_segments: bool,
     segments = [_segment(cfg, rows, gen) for _ in range(depth + 1)]
     with warnings.catch_warnings():   # isinstance() on deprecated torch.distributed aliases
         warnings.simplefilter("ignore", FutureWarning)
-        before = {t.untyped_storage().data_ptr() for t in gc.get_objects()
-                  if isinstance(t, torch.Tensor)}
+        before = {_data_ptr(t) for t in gc.get_objects() if isinstance(t, torch.Tensor)}
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:

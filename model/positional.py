@@ -68,4 +68,6 @@ def skew(scores: torch.Tensor, n_k: int, start: int = 0) -> torch.Tensor:
     # buffer: `unfold` with step n_d - 1 is exactly that view. (An `as_strided` needs the
     # tensor's storage offset, which torch.compile cannot trace without a graph break.)
     flat = scores.reshape(*batch, n_q * n_d)[..., n_q - 1 - start:]
+    if n_d == 1:  # row stride 0 (one distance for every pair): every row reads the same keys
+        return flat[..., None, :n_k].expand(*batch, n_q, n_k)
     return flat.unfold(-1, n_k, n_d - 1)[..., :n_q, :]

@@ -41,6 +41,24 @@ def test_skew_with_start_drops_leading_distances_and_keeps_the_rest_exact():
                 assert out[i, j] == i - (k_start + j)
 
 
+@pytest.mark.parametrize("n_q,n_d,n_k,start", [(1, 1, 1, 0), (1, 5, 5, 0), (1, 7, 3, 0),
+                                                (4, 1, 1, 3), (3, 3, 3, 0), (5, 9, 5, 0),
+                                                (4, 6, 8, 2), (6, 12, 12, 3)])
+def test_skew_reads_entry_i_j_at_column_j_plus_q_minus_1_minus_i_minus_start(n_q, n_d, n_k,
+                                                                             start):
+    """The definition, entry by entry, at the edges too: one query (a token-by-token
+    evaluation), one distance, keys beyond the list. Where the column lies outside the
+    list the entry is garbage by contract (the caller masks it) and is not checked."""
+    scores = torch.randn(2, n_q, n_d)
+    out = skew(scores, n_k, start)
+    assert out.shape == (2, n_q, n_k)
+    for i in range(n_q):
+        for j in range(n_k):
+            col = j + n_q - 1 - i - start
+            if 0 <= col < n_d:
+                assert torch.equal(out[:, i, j], scores[:, i, col])
+
+
 def test_softmax_with_lse_gradients_match_finite_differences():
     scores = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda s: softmax_with_lse(s), (scores,))
