@@ -33,10 +33,15 @@ from train.checkpoint import complete_checkpoints, find_latest, load_rank_payloa
 pytestmark = pytest.mark.slow
 
 
+# Long enough that the kill lands mid-run: a step of this tiny model takes milliseconds, and
+# the kill follows the step-8 checkpoint only after a poll.
+STEPS = 32
+
+
 def _rmt_sliding(tmp, name, **kw):
     # RMT with an XL cache, sliding BPTT (saved inputs and memories are resumable state),
     # dropout (the RNG must be restored): everything resume has to get right.
-    return tiny_config(tmp, name, max_steps=16, save_every=4,
+    return tiny_config(tmp, name, max_steps=STEPS, save_every=4,
                        model={"mechanism": "rmt", "mem_len": 4, "dropout": 0.1,
                               "rmt": {"num_mem_tokens": 3}},
                        bptt={"depth": 2, "mode": "sliding"},
@@ -60,24 +65,24 @@ def test_sigkill_mid_training_then_resume_reproduces_the_uninterrupted_run_exact
                             start_new_session=True)
     deadline = time.time() + 300
     while _latest_step(run_dir) < 8 and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
+        time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks, no warning
     proc.wait()
     killed_at = _latest_step(run_dir)
-    assert 8 <= killed_at < 16, f"the run was not interrupted mid-training ({killed_at})"
+    assert 8 <= killed_at < STEPS, f"the run was not interrupted mid-training ({killed_at})"
     run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
 
     done = run_train(cfg, nproc=2)
     assert f"resumed from {run_dir / 'checkpoints'}" in done.stdout
     resumed = step_losses(run_dir)
-    assert sorted(resumed) == sorted(ref) == list(range(1, 17))
+    assert sorted(resumed) == sorted(ref) == list(range(1, STEPS + 1))
     assert resumed == ref  # bit for bit, every step after the checkpoint included
     a = load_file(str(tmp_path / "runs" / "uninterrupted" / "model.safetensors"))
     b = load_file(str(run_dir / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # keep_last (default 3) complete checkpoints remain, `latest` names the newest.
-    assert [i.step for i in complete_checkpoints(run_dir / "checkpoints")] == [8, 12, 16]
-    assert (run_dir / "checkpoints" / "latest").read_text() == "step00000016"
+    assert [i.step for i in complete_checkpoints(run_dir / "checkpoints")] == [24, 28, 32]
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step00000032"
     # The resumed run continued the same MLflow run.
     assert json.loads((run_dir / "tracking.json").read_text())["run_id"] == run_id
 
