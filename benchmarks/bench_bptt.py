@@ -46,7 +46,7 @@ import sys
 import time
 
 import torch
-from common import add_model_size_args, status_kib, timed_step, write_json
+from common import add_model_size_args, interleaved, status_kib, timed_step, write_json
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from data_pipeline.streams import SegmentBatch
@@ -255,12 +255,9 @@ def measure_recompute(a) -> dict:
                                 keep_last=keep) for n, (ck, pol, keep) in variants.items()}
         for r in runners.values():
             r.step()
-        times = {n: [] for n in runners}
-        names = list(runners)
-        for rnd in range(a.rounds):
-            for n in names[rnd % len(names):] + names[:rnd % len(names)]:
-                times[n].append(runners[n].step())
-            print(f"  k={k}: round {rnd + 1}/{a.rounds} done", flush=True)
+        times = interleaved({n: r.step for n, r in runners.items()}, a.rounds,
+                            lambda rnd, k=k: print(f"  k={k}: round {rnd + 1}/{a.rounds} "
+                                                   "done", flush=True))
         del runners
         out["time"][k] = {n: {"cpu_s": ts, "ratio_vs_plain": statistics.median(
             t / b for t, b in zip(ts, times["plain"], strict=True))} for n, ts in times.items()}
@@ -290,13 +287,8 @@ def measure_speed(a) -> dict:
     runners = {n: RMTRunner(a, *v, optimizer=True) for n, v in variants.items()}
     for r in runners.values():
         r.step()  # warm-up
-    times = {n: [] for n in runners}
-    names = list(runners)
-    for rnd in range(a.rounds):
-        order = names[rnd % len(names):] + names[:rnd % len(names)]
-        for n in order:
-            times[n].append(runners[n].step())
-        print(f"  round {rnd + 1}/{a.rounds} done", flush=True)
+    times = interleaved({n: r.step for n, r in runners.items()}, a.rounds,
+                        lambda rnd: print(f"  round {rnd + 1}/{a.rounds} done", flush=True))
     base = times["window-k0-plain"]
     out = {"variants": {}}
     for n, ts in times.items():

@@ -44,7 +44,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import yaml
-from common import add_model_size_args, write_json
+from common import add_model_size_args, interleaved, write_json
 
 from data_pipeline.shard_writer import write_manifest, write_token_split
 from data_pipeline.shards import Manifest, id_dtype
@@ -104,11 +104,9 @@ def run_model(a) -> list[dict]:
                 stepper.step()
             first[name] = round(time.perf_counter() - start, 1)
             graphs[name] = compiled_graphs() - before
-        names, times = list(steppers), {name: [] for name in steppers}
-        for r in range(a.rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
-                times[name].append(sum(steppers[name].step() for _ in range(a.steps)))
-        for name in names:
+        times = interleaved({name: (lambda s=s: sum(s.step() for _ in range(a.steps)))
+                             for name, s in steppers.items()}, a.rounds)
+        for name in steppers:
             ratios = [e / t for e, t in zip(times["eager"], times[name], strict=True)]
             row = {"mechanism": mechanism, "variant": name,
                    "cpu_s_per_step": round(statistics.median(times[name]) / a.steps, 3),

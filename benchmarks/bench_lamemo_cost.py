@@ -40,7 +40,7 @@ import sys
 import time
 
 import torch
-from common import write_json
+from common import interleaved, write_json
 
 from model import ModelConfig, build_model
 
@@ -115,12 +115,7 @@ def measure(shape: str, args) -> dict:
     for r in runners.values():  # warm-up: the memory fills after one segment (M = L)
         for _ in range(args.warmup):
             r.step()
-    times = {m: [] for m in runners}
-    names = list(runners)
-    for rnd in range(args.rounds):
-        order = names[rnd % len(names):] + names[:rnd % len(names)]  # rotate the order
-        for m in order:
-            times[m].append(runners[m].step())
+    times = interleaved({m: r.step for m, r in runners.items()}, args.rounds)
     tokens = batch * runners["xl-before"].seg_len
     ratios = {key: [a / b for a, b in zip(times[num], times[den], strict=True)]
               for key, (num, den) in RATIOS.items()}

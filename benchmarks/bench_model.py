@@ -20,7 +20,7 @@ import subprocess
 import sys
 
 import torch
-from common import add_model_size_args, status_kib, timed_step
+from common import add_model_size_args, interleaved, status_kib, timed_step
 
 from model import ModelConfig, build_model
 
@@ -62,12 +62,7 @@ def measure_speed(args) -> dict:
     for r in runners.values():  # warm-up: fills the memory to mem_len, first-call costs
         for _ in range(max(2, -(-args.mem_len // args.seg_len) + 1)):
             r.step()
-    times = {k: [] for k in runners}
-    names = list(runners)
-    for rnd in range(args.rounds):
-        order = names[rnd % len(names):] + names[:rnd % len(names)]  # rotate the order
-        for name in order:
-            times[name].append(runners[name].step())
+    times = interleaved({k: r.step for k, r in runners.items()}, args.rounds)
     tokens = args.batch * args.seg_len
     base = times["xl-fused"]
     out = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 
 
 def status_kib(field: str) -> int:
@@ -45,3 +46,18 @@ def timed_step(model, seg, state):
     elapsed = time.process_time() - start
     model.zero_grad(set_to_none=True)
     return elapsed, out.state.detach()
+
+
+def interleaved(steps: dict[str, Callable[[], float]], rounds: int,
+                on_round: Callable[[int], None] | None = None) -> dict[str, list[float]]:
+    """One measurement per variant per round, the variants run in an order rotated every
+    round, so that a slow spell of the shared machine falls on each in turn: compare them by
+    per-round ratios. steps: name -> a callable returning one measurement (e.g. CPU s)."""
+    names = list(steps)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for rnd in range(rounds):
+        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+            times[name].append(steps[name]())
+        if on_round is not None:
+            on_round(rnd)
+    return times

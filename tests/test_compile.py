@@ -21,18 +21,22 @@ pytestmark = pytest.mark.slow
 TGT, MEM, STEPS = 8, 16, 5
 
 
-def _train(mechanism: str, compiled: bool):
-    """STEPS training steps of a tiny model from seed 0 with dropout: (losses, graphs
-    compiled after each step, model)."""
+def _tiny(mechanism: str, mem_len: int, compiled: bool, **extra):
+    """A tiny model from seed 0 with dropout, its Adam and a seeded data generator."""
     torch.manual_seed(0)
     cfg = ModelConfig(mechanism=mechanism, vocab_size=32, n_layer=2, d_model=32, n_head=2,
-                      d_inner=64, dropout=0.1, dropatt=0.1, tgt_len=TGT, mem_len=MEM,
-                      rmt={"num_mem_tokens": 2})
+                      d_inner=64, dropout=0.1, tgt_len=TGT, mem_len=mem_len,
+                      rmt={"num_mem_tokens": 2}, **extra)
     model = build_model(cfg)
     if compiled:
         compile_core(model)
-    opt = torch.optim.Adam(model.parameters(), 1e-3)
-    data = torch.Generator().manual_seed(3)
+    return model, torch.optim.Adam(model.parameters(), 1e-3), torch.Generator().manual_seed(3)
+
+
+def _train(mechanism: str, compiled: bool):
+    """STEPS training steps of a tiny model: (losses, graphs compiled after each step,
+    model)."""
+    model, opt, data = _tiny(mechanism, MEM, compiled, dropatt=0.1)
     state, losses, graphs = None, [], []
     for _ in range(STEPS):
         x, y = torch.randint(0, 32, (2, 4, TGT), generator=data)
@@ -99,15 +103,7 @@ def test_evaluation_without_gradients_stays_eager_and_compiles_nothing(runs):
 
 def _rmt_windows(compiled: bool) -> list[float]:
     """3 steps of RMT BPTT windows of 2 segments, each segment checkpointed."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(mechanism="rmt", vocab_size=32, n_layer=2, d_model=32, n_head=2,
-                      d_inner=64, dropout=0.1, tgt_len=TGT, mem_len=TGT,
-                      rmt={"num_mem_tokens": 2})
-    model = build_model(cfg)
-    if compiled:
-        compile_core(model)
-    opt = torch.optim.Adam(model.parameters(), 1e-3)
-    data = torch.Generator().manual_seed(3)
+    model, opt, data = _tiny("rmt", TGT, compiled)
     state, losses = None, []
     for _ in range(3):
         loss = 0.0
