@@ -47,6 +47,7 @@ again as without save-masks.
 
 from __future__ import annotations
 
+import warnings
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -99,11 +100,17 @@ _BERNOULLI = _aten.bernoulli_.float
 
 def _pack(draw: torch.Tensor) -> torch.Tensor:
     """bernoulli_'s 0/1 values -> 8 per byte (1/32 of the fp32 noise). On the CPU numpy's
-    packbits, ~15x faster than the torch ops below (which would eat a third of the RNG
-    time saved)."""
+    packbits, ~15x faster than the torch ops of `_pack_on_device` (which would eat a third
+    of the RNG time saved)."""
     if draw.device.type == "cpu":
         return torch.from_numpy(np.packbits(draw.detach().numpy().reshape(-1) != 0))
-    flat = draw.reshape(-1).to(torch.uint8)
+    return _pack_on_device(draw)
+
+
+def _pack_on_device(draw: torch.Tensor) -> torch.Tensor:
+    """`_pack` with torch ops on the draw's device (no copy to the host); numpy's bit order,
+    the first value in the most significant bit."""
+    flat = (draw.reshape(-1) != 0).to(torch.uint8)
     flat = torch.cat([flat, flat.new_zeros(-flat.numel() % 8)])
     bit = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=flat.device)
     return (flat.view(-1, 8) * bit).sum(1, dtype=torch.uint8)
@@ -113,10 +120,14 @@ def _unpack_into(target: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     n = target.numel()
     if packed.device.type == "cpu":
         bits = torch.from_numpy(np.unpackbits(packed.numpy(), count=n))
-    else:   # numpy's bit order: the first value in the most significant bit
-        shift = torch.arange(7, -1, -1, dtype=torch.uint8, device=packed.device)
-        bits = ((packed[:, None] >> shift) & 1).reshape(-1)[:n]
+    else:
+        bits = _unpack_on_device(packed, n)
     return target.copy_(bits.view(target.shape))
+
+
+def _unpack_on_device(packed: torch.Tensor, n: int) -> torch.Tensor:
+    shift = torch.arange(7, -1, -1, dtype=torch.uint8, device=packed.device)
+    return ((packed[:, None] >> shift) & 1).reshape(-1)[:n]
 
 
 def _shapes(args) -> tuple:
@@ -135,8 +146,13 @@ class _Keep(TorchDispatchMode):
         if torch.Tag.nondeterministic_seeded in func.tags and self.rule.masks:
             if func == _BERNOULLI and not kwargs:
                 self.store.masks.append((tuple(out.shape), _pack(out)))
-            else:
+            elif not self.store.other_random:
                 self.store.other_random = True
+                # Python shows a warning once per call site: one line per run, not per step.
+                warnings.warn(f"bptt.recompute save-masks: the forward drew random numbers "
+                              f"with {func} (e.g. CUDA's fused dropout), not bernoulli_; "
+                              "its dropout masks are drawn again in the recompute (exact, "
+                              "but no time saved)", stacklevel=2)
         if not self.rule(func, args):
             return out
         self.store.outputs[func].append((_shapes(args), out))

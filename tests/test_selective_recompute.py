@@ -8,14 +8,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 from data_pipeline.streams import SegmentBatch
 from model import ConfigError, ModelConfig, build_model
-from model.recompute import RECOMPUTE_POLICIES
+from model.recompute import RECOMPUTE_POLICIES, _pack_on_device, _unpack_on_device, context_fn
 from train.bptt import run_window
 from train.config import load_config
 
@@ -129,6 +132,35 @@ def test_keep_last_segments_keeps_whole_segments_one_by_one_from_the_end():
     kept = [_kept_bytes(n, checkpoint_segments=True, keep_last_segments=j) for j in range(n + 1)]
     assert kept[0] < kept[1] < kept[2] < kept[3]
     assert kept[3] == _kept_bytes(n)   # every segment whole: no checkpointing at all
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 13, 1000])
+def test_the_device_side_bit_packing_is_numpys_bit_order_and_round_trips(n):
+    """On CUDA the masks are packed with torch ops on the device, not numpy: the same bytes,
+    and unpacking gives the draws back (run here on CPU tensors: the ops are the same)."""
+    draw = torch.bernoulli(torch.full((n,), 0.9), generator=torch.Generator().manual_seed(n))
+    packed = _pack_on_device(draw)
+    assert torch.equal(packed, torch.from_numpy(np.packbits(draw.numpy() != 0)))
+    assert torch.equal(_unpack_on_device(packed, n).float(), draw)
+
+
+def _noisy_block(x: torch.Tensor) -> torch.Tensor:
+    # One dropout (bernoulli_ on the CPU) and one other draw, as CUDA's fused dropout is.
+    return F.dropout(x, 0.3, training=True) * torch.rand_like(x)
+
+
+def test_save_masks_warns_and_stays_exact_when_the_forward_draws_other_random_numbers():
+    x = torch.randn(4, 8, requires_grad=True)
+    torch.manual_seed(3)
+    _noisy_block(x).square().sum().backward()
+    plain = x.grad.clone()
+    x.grad = None
+    torch.manual_seed(3)
+    with pytest.warns(UserWarning, match="drawn again in the recompute"):
+        out = checkpoint(_noisy_block, x, use_reentrant=False,
+                         context_fn=context_fn("save-masks", d_inner=8))
+    out.square().sum().backward()
+    assert torch.equal(x.grad, plain)
 
 
 class _OpCount(TorchDispatchMode):
