@@ -26,7 +26,7 @@ import yaml  # noqa: E402
 from test_sync_free import COUNTS, counting_syncs  # noqa: E402
 from train_helpers import tiny_config  # noqa: E402
 
-from train import trainer  # noqa: E402
+from train import loop, trainer  # noqa: E402
 from train.config import from_dict  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def measure(mechanism: str, zero: int, steps: int, log_every: int, tmp: Path) ->
     def total():
         return sum(COUNTS.values())
 
-    micro, engine_calls, ds_kinds = trainer._Loop._micro_step, {}, Counter()
+    micro, engine_calls, ds_kinds = loop.TrainingLoop._micro_step, {}, Counter()
 
     def wrapped_micro(self, batches):
         if not engine_calls:   # wrap the engine's backward and step once
@@ -66,14 +66,14 @@ def measure(mechanism: str, zero: int, steps: int, log_every: int, tmp: Path) ->
                              step=self.state.step + 1))
         return out
 
-    trainer._Loop._micro_step = wrapped_micro
+    loop.TrainingLoop._micro_step = wrapped_micro
     try:
         with counting_syncs(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            trainer._Loop.final_reports = lambda self: None
+            loop.TrainingLoop.final_reports = lambda self: None
             trainer.train(cfg, resume=False)
     finally:
-        trainer._Loop._micro_step = micro
+        loop.TrainingLoop._micro_step = micro
     quiet = [p for p in parts if p["step"] % log_every and p["step"] != steps]
     logged = [p for p in parts if not p["step"] % log_every]
     return {"ours": sorted({p["ours"] for p in quiet}),

@@ -23,8 +23,6 @@ tokenizer="bytes", every byte of the split is a token (enwik8 then has 205 symbo
 
 from __future__ import annotations
 
-import glob
-import os
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -35,7 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .bpe import BPEVocab
-from .download import SOURCES, Remote, extract_member, fetch_remote
+from .corpus_files import expand_globs, resolve_files
 from .vocab import ByteVocab, SymbolVocab, Vocab, WordVocab
 
 CORPORA = ("enwik8", "text8", "wt103", "wt2", "ptb", "text")
@@ -230,77 +228,6 @@ class Corpus:
         return f"Corpus({self.name!r}, {self.vocab!r}, {sizes})"
 
 
-# --------------------------------------------------------------------------- files on disk
-def _check_file(path: Path) -> Path:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is not a file")
-    if not os.access(path, os.R_OK):
-        raise PermissionError(f"cannot read {path} (permission denied)")
-    if path.stat().st_size == 0:
-        raise ValueError(f"{path} is empty")
-    return path
-
-
-def _find(data_dir: Path, candidates: list[list[str]]) -> list[Path] | None:
-    """First existing candidate for every wanted file, or None if any is missing."""
-    found = []
-    for options in candidates:
-        hit = next((data_dir / c for c in options if (data_dir / c).is_file()), None)
-        if hit is None:
-            return None
-        found.append(hit)
-    return found
-
-
-def _resolve(name: str, data_dir: Path, candidates: list[list[str]], download: bool,
-             progress: bool) -> list[Path]:
-    """Paths of the files a benchmark needs: present already, extracted from its archive in
-    data_dir, or (download=True) fetched first. Archives present are verified before use."""
-    found = _find(data_dir, candidates)
-    if found is not None:
-        return [_check_file(p) for p in found]
-    remotes: tuple[Remote, ...] = SOURCES[name]
-    for remote in remotes:
-        local = data_dir / remote.filename
-        if not local.exists() and not download:
-            continue
-        if remote.members:
-            if all((data_dir / t).is_file() for t in remote.members.values()):
-                continue
-            fetch_remote(remote, data_dir, progress)  # verifies an archive already present
-            for member, target in remote.members.items():
-                if not (data_dir / target).is_file():
-                    extract_member(local, member, data_dir / target,
-                                   remote.member_sizes.get(member))
-        elif not local.exists():
-            fetch_remote(remote, data_dir, progress)
-    found = _find(data_dir, candidates)
-    if found is not None:
-        return [_check_file(p) for p in found]
-    expected = [" or ".join(str(data_dir / c) for c in options) for options in candidates]
-    archives = [str(data_dir / r.filename) for r in remotes if r.members]
-    urls = [r.urls[0] for r in remotes]
-    msg = f"{name}: missing " + "; ".join(expected)
-    if archives:
-        msg += f" (or the archive {', '.join(archives)})"
-    raise FileNotFoundError(f"{msg}. Pass download=True (--download) to fetch {', '.join(urls)}")
-
-
-def _expand(data_dir: Path, patterns: list[str], split: str) -> list[Path]:
-    if isinstance(patterns, (str, os.PathLike)):
-        patterns = [patterns]
-    paths: list[Path] = []
-    for pat in patterns:
-        pat = str(pat)
-        full = pat if os.path.isabs(pat) else str(data_dir / pat)
-        hits = sorted(Path(p) for p in glob.glob(full, recursive=True) if os.path.isfile(p))
-        if not hits:
-            where = "" if os.path.isabs(pat) else f" (relative to {data_dir.absolute()})"
-            raise FileNotFoundError(f"text corpus, {split}: no file matches {pat!r}{where}")
-        paths.extend(hits)
-    return [_check_file(p) for p in dict.fromkeys(paths)]
-
-
 # --------------------------------------------------------------------------- the benchmarks
 def _heldout_spans(path: Path, heldout: int, name: str) -> dict[str, list[Span]]:
     """Transformer-XL's enwik8/text8 rule: test = last `heldout` bytes, valid = the `heldout`
@@ -317,7 +244,7 @@ def _heldout_spans(path: Path, heldout: int, name: str) -> dict[str, list[Span]]
 
 
 def _open_char_benchmark(name, data_dir, download, tokenizer, heldout, xl_compat, progress):
-    (path,) = _resolve(name, data_dir, [[name]], download, progress)
+    (path,) = resolve_files(name, data_dir, [[name]], download, progress)
     if heldout is None:
         heldout = HELDOUT_BYTES
         if path.stat().st_size != 100_000_000:
@@ -347,7 +274,7 @@ def _open_word_benchmark(name, data_dir, download, progress):
     else:
         sub = _WIKITEXT_DIR[name]
         candidates = [[f"wiki.{s}.tokens", f"{sub}/wiki.{s}.tokens"] for s in SPLITS]
-    paths = _resolve(name, data_dir, candidates, download, progress)
+    paths = resolve_files(name, data_dir, candidates, download, progress)
     spans = {s: [Span(p, 0, p.stat().st_size)] for s, p in zip(SPLITS, paths, strict=True)}
     counts: Counter[str] = Counter()
     where = f"{name} train split ({paths[0]})"
@@ -367,7 +294,7 @@ def _open_text(data_dir, files, tokenizer, bpe_vocab_size, valid_fraction, test_
     unknown = set(files) - set(SPLITS)
     if unknown:
         raise ValueError(f"text corpus: unknown split(s) {sorted(unknown)}; splits: {SPLITS}")
-    paths = {s: _expand(data_dir, files[s], s) for s in SPLITS if files.get(s)}
+    paths = {s: expand_globs(data_dir, files[s], s) for s in SPLITS if files.get(s)}
     seen: dict[Path, str] = {}
     for s, ps in paths.items():
         for p in ps:

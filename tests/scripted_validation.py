@@ -14,11 +14,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import train.trainer as trainer  # noqa: E402
+import train.loop as loop  # noqa: E402
 from train.cli import main_train  # noqa: E402
 
 scripted = iter(json.loads(sys.argv[1]))
-real_evaluate = trainer.evaluate
+real_evaluate = loop.evaluate
 
 
 def evaluate(forward, model, manifest, proto, *args, **kwargs):
@@ -28,5 +28,5 @@ def evaluate(forward, model, manifest, proto, *args, **kwargs):
     return report
 
 
-trainer.evaluate = evaluate
+loop.evaluate = evaluate
 sys.exit(main_train(sys.argv[2:]))

@@ -14,10 +14,9 @@ import numpy as np
 import pytest
 
 from data_pipeline import bpe as bpe_mod
-from data_pipeline import corpora
 from data_pipeline.bpe import BPEVocab
 from data_pipeline.corpora import CORPORA, HELDOUT_BYTES, open_corpus
-from data_pipeline.download import ChecksumError, Remote, extract_member, fetch
+from data_pipeline.download import SOURCES, ChecksumError, Remote, extract_member, fetch
 from data_pipeline.vocab import ByteVocab, SymbolVocab, WordVocab, dtype_for
 from data_pipeline.vocabs import vocab_from_dict
 
@@ -298,7 +297,7 @@ def test_download_fetches_zip_by_url_verifies_and_extracts(tmp_path, monkeypatch
     digest = hashlib.sha256(archive.read_bytes()).hexdigest()
     remote = Remote(urls=(archive.as_uri(),), filename="enwik8.zip", sha256=digest,
                     members={"enwik8": "enwik8"})
-    monkeypatch.setitem(corpora.SOURCES, "enwik8", (remote,))
+    monkeypatch.setitem(SOURCES, "enwik8", (remote,))
     d = tmp_path / "data"
     c = open_corpus("enwik8", d, download=True, tokenizer="bytes", heldout_bytes=H,
                     progress=False)
@@ -312,7 +311,7 @@ def test_zip_already_in_data_dir_is_extracted_without_download(tmp_path, monkeyp
     _zip_with(tmp_path / "enwik8.zip", "enwik8", data)
     remote = Remote(urls=("http://invalid.example/never-used.zip",), filename="enwik8.zip",
                     members={"enwik8": "enwik8"})
-    monkeypatch.setitem(corpora.SOURCES, "enwik8", (remote,))
+    monkeypatch.setitem(SOURCES, "enwik8", (remote,))
     c = open_corpus("enwik8", tmp_path, tokenizer="bytes", heldout_bytes=H, progress=False)
     assert _concat(c, "train").tobytes() == data[: -2 * H]
     with pytest.raises(ValueError, match="no member 'missing'"):
@@ -323,7 +322,7 @@ def test_download_with_bad_checksum_leaves_nothing_behind(tmp_path, monkeypatch)
     archive = _zip_with(tmp_path / "mirror.zip", "enwik8", b"x" * 500)
     remote = Remote(urls=(archive.as_uri(),), filename="enwik8.zip", sha256="f" * 64,
                     members={"enwik8": "enwik8"})
-    monkeypatch.setitem(corpora.SOURCES, "enwik8", (remote,))
+    monkeypatch.setitem(SOURCES, "enwik8", (remote,))
     d = tmp_path / "data"
     with pytest.raises(ChecksumError, match="enwik8.zip"):
         open_corpus("enwik8", d, download=True, heldout_bytes=H, progress=False)

@@ -14,7 +14,7 @@ from data_pipeline.streams import SegmentBatch
 from model import build_model
 from train.bptt import TrainState, WindowPlan
 from train.config import ConfigError, from_dict
-from train.trainer import NonFiniteLoss, _Loop
+from train.loop import NonFiniteLoss, TrainingLoop
 
 B, L, V = 2, 4, 16
 
@@ -59,7 +59,7 @@ def make_loop(poison=(), mode="window", depth=0, limit=10, precision="fp16"):
         "log_every": 1000, "max_steps": 1000})
     torch.manual_seed(0)
     engine = FakeEngine(build_model(cfg.model).eval(), poison)
-    loop = _Loop.__new__(_Loop)  # only what _micro_step reads
+    loop = TrainingLoop.__new__(TrainingLoop)  # only what _micro_step reads
     loop.cfg, loop.device, loop.engine, loop.stage = cfg, torch.device("cpu"), engine, 1
     loop.fp16, loop.grad_norm = precision == "fp16", None
     loop.signals = type("NoSignal", (), {"received": None})()

@@ -7,11 +7,11 @@ shape). On CPU nothing waits, so these calls stand for the syncs they would be o
 CUDA the same check is `torch.cuda.set_sync_debug_mode("error")` around the step (it also
 catches blocking host-to-device copies, which a CPU run cannot see); not available here.
 
-The real training loop (`_Loop.run`: micro-step, backward, step, logging) runs on one process
+The real training loop (`TrainingLoop.run`: micro-step, backward, step, logging) runs on one process
 with the bare model behind a fake engine (as tests/test_nonfinite_steps.py drives it; what
 DeepSpeed's engine does inside backward/step is DeepSpeed's). Allowed: ONE sync per optimizer
 step, the combined all-reduced read of the stop / non-finite flags and the step's loss sums
-(train/trainer.py `_read_flags`: every rank must agree on stopping, fp32/bf16 must stop
+(train/loop.py `_read_flags`: every rank must agree on stopping, fp32/bf16 must stop
 before the update, fp16 must know before the next window which memory to carry), plus what
 the logging steps read. The adaptive softmax and the model's forward make none.
 """
@@ -31,7 +31,7 @@ from model import build_model
 from model.adaptive import AdaptiveEmbedding, AdaptiveSoftmax
 from train.bptt import TrainState, WindowPlan
 from train.config import from_dict
-from train.trainer import _Loop
+from train.loop import TrainingLoop
 
 B, L, V = 2, 6, 64
 CUTOFFS = [8, 24]          # three clusters, so the adaptive softmax routes rows
@@ -160,7 +160,7 @@ def make_loop(mechanism: str, *, steps: int, log_every: int, grad_accum: int = 1
                      "deepspeed": {"precision": precision, "grad_accum": grad_accum},
                      "log_every": log_every, "max_steps": steps})
     torch.manual_seed(0)
-    loop = _Loop.__new__(_Loop)
+    loop = TrainingLoop.__new__(TrainingLoop)
     loop.cfg, loop.device, loop.stage = cfg, torch.device("cpu"), 0  # 0: grad norm path
     loop.engine = FakeEngine(build_model(cfg.model), grad_accum)
     loop.fp16, loop.grad_norm = precision == "fp16", None

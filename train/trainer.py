@@ -1,22 +1,12 @@
-"""The training run: streams -> BPTT windows -> DeepSpeed engine, with checkpoints, signals,
-validation and tracking. One function, `train(cfg)`, run by every rank.
-
-Per optimizer step, each of the `grad_accum` micro-steps runs one BPTT window (bptt.py) and
-makes exactly one backward. The loss sums and a non-finite flag stay on the device; after the
-backward of the step's last micro-step (of every micro-step under fp16), one all-reduce
-gathers them with a stop flag (SIGTERM / SIGUSR1) and is read once: the step's only host
-sync (issue 14; tests/test_sync_free.py counts them), so every rank takes the same decision at
-the same step boundary: skip under fp16 loss scaling, stop cleanly otherwise, or checkpoint
-and leave.
+"""Setting up a training run on this rank: process group, device, data, engine, resume,
+tracking; then `TrainingLoop` (loop.py) runs it. One function, `train(cfg)`, run by every
+rank; `main_entry` turns its errors into exit codes for `memtrain train`.
 """
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
-import time
-import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -25,11 +15,10 @@ import torch
 from data_pipeline.shards import ShardError, load_manifest
 from data_pipeline.streams import EpisodeStream, LayoutError, TokenStream, rows_of_rank
 from data_pipeline.synthetic import write_repeat_corpus
-from model import ConfigError, bits_per_token, build_model
-from model.compiled import compiled_graphs
+from model import ConfigError, build_model
 
 from . import checkpoint as ckpt
-from .bptt import TrainState, WindowPlan, run_window
+from .bptt import TrainState, WindowPlan
 from .config import RunConfig, dump_yaml
 from .curriculum import SegmentCurriculum
 from .distributed import (
@@ -40,29 +29,11 @@ from .distributed import (
     resolve_env,
 )
 from .engine import build_ds_config, initialize, zero_stage
-from .evaluate import evaluate, headline, protocol_for
-from .export import export_checkpoint
-from .progress import Progress, peak_memory_mb
+from .evaluate import protocol_for
+from .loop import NonFiniteLoss, TrainingLoop
 from .resume import restore
 from .run_dir import RUNNING, RunDir, atomic_write_json, atomic_write_text
 from .tracking import Tracker
-
-
-class NonFiniteLoss(RuntimeError):
-    """The loss became NaN/Inf outside fp16 loss scaling; nothing was saved after it."""
-
-
-class StopSignal:
-    """SIGTERM (preemption, scancel) and SIGUSR1 (SLURM's warning before the time limit)
-    only set a flag; the loop acts on it at the next step boundary, on every rank at once."""
-
-    def __init__(self):
-        self.received: int | None = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, _frame):
-        self.received = signum
 
 
 def git_commit() -> str:
@@ -183,8 +154,8 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
                       use_mlflow=cfg.tracking.enabled)
     tracker.log_artifact(run_dir / "config.yaml", "config")
     tracker.log_artifact(run_dir / "ds_config.json", "config")
-    loop = _Loop(cfg, env, device, engine, schedule, stream, manifest, state, tracker, ckpt_root,
-                 zero_stage(ds_config), curriculum)
+    loop = TrainingLoop(cfg, env, device, engine, schedule, stream, manifest, state, tracker,
+                        ckpt_root, zero_stage(ds_config), curriculum)
     try:
         status = loop.run()
     except BaseException:
@@ -200,235 +171,6 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     # rank ("terminate called without an active exception") after a successful run.
     torch.distributed.destroy_process_group()
     return 0
-
-
-class _Loop:
-    def __init__(self, cfg, env, device, engine, schedule, stream, manifest, state, tracker,
-                 ckpt_root, stage, curriculum):
-        self.cfg, self.env, self.device, self.engine = cfg, env, device, engine
-        self.schedule, self.stream, self.manifest, self.state = schedule, stream, manifest, state
-        self.tracker, self.ckpt_root, self.stage = tracker, ckpt_root, stage
-        self.curriculum = curriculum
-        self.signals = StopSignal()
-        self.fp16 = cfg.deepspeed.precision == "fp16"
-        self.grad_norm: torch.Tensor | None = None  # ZeRO-0 only: DeepSpeed keeps none
-
-    # ------------------------------------------------------------------ one micro-step
-    # This rank's sums since the last read, ON THE DEVICE: [nll, counted tokens, non-finite]
-    # (class defaults: tests build the loop without __init__).
-    _pending: torch.Tensor | None = None
-    _pending_new = 0
-
-    def _micro_step(self, batches) -> tuple[float, float, bool, int]:
-        """One window, one backward: (nll sum, counted tokens, stop flag, new tokens), summed
-        over all ranks and the micro-steps since the last read; zeros when this micro-step
-        does not read (see `_read_flags`)."""
-        window = self.state.plan.next_window(batches, self.state.memory)
-        res = run_window(self.engine, window.start, window.segments, self.device,
-                         counted=window.counted, detach_before=window.cuts,
-                         checkpoint_segments=self.cfg.bptt.checkpoint_segments,
-                         recompute=self.cfg.bptt.recompute,
-                         keep_last_segments=self.cfg.bptt.keep_last_segments)
-        # No host sync here: the window's sums and its non-finite flag stay on the device.
-        sums = torch.stack([res.nll_sum.double(), res.n_tokens.double(),
-                            (~torch.isfinite(res.loss.detach())).double()])
-        p = self._pending
-        self._pending = sums if p is None else torch.cat([p[:2] + sums[:2],
-                                                          torch.maximum(p[2:], sums[2:])])
-        self._pending_new += window.new_tokens
-        self.engine.backward(res.loss)
-        nll = n = 0.0
-        bad = stop = new = 0
-        # fp16: the next window's memory depends on this one being finite; otherwise the
-        # flags are needed once per optimizer step, before its update.
-        if self.fp16 or self.engine.is_gradient_accumulation_boundary():
-            nll, n, bad, stop, new = self._read_flags()
-        if bad and not self.fp16:
-            raise NonFiniteLoss(
-                f"non-finite loss at step {self.state.step + 1} on {int(bad)} rank(s); "
-                "stopped before the update, so the last checkpoint is intact. Lower optim.lr, "
-                "check the data, or use fp16 loss scaling on GPUs")
-        # fp16: DeepSpeed skips the step (its gradients overflow), and nothing this window
-        # produced is carried on: every row's memory restarts below (after_nonfinite), on
-        # every rank alike since `bad` is all-reduced. A memory that held the NaN/Inf is then
-        # gone, so the next window is finite again; a run of non-finite windows despite
-        # fresh memory is an overflow loss scaling cannot cure (the scale multiplies the
-        # loss after it is computed): stop, rather than skip steps until DeepSpeed's loss
-        # scaler aborts at its minimum scale.
-        limit = self.cfg.optim.max_nonfinite_steps
-        self.state.nonfinite_in_a_row = self.state.nonfinite_in_a_row + 1 if bad else 0
-        if bad and self.state.nonfinite_in_a_row >= limit:
-            raise NonFiniteLoss(
-                f"{limit} non-finite losses in a row under fp16 loss scaling (the last at "
-                f"step {self.state.step + 1}), with every row's memory reset after each: the "
-                "forward overflows fp16 or the weights are broken. Stopped before the update; "
-                "DeepSpeed skipped those steps, so the last checkpoint is intact. Lower "
-                "optim.lr, check the data, train in bf16 (A100) or fp32, or raise "
-                "optim.max_nonfinite_steps")
-        if bad:
-            warnings.warn(f"non-finite loss at step {self.state.step + 1} on {int(bad)} "
-                          f"rank(s) ({self.state.nonfinite_in_a_row} in a row; the run stops "
-                          f"at {limit}): fp16 loss scaling skips this step and every row's "
-                          "memory is reset", stacklevel=2)
-        step, cfg = self.state.step + 1, self.cfg
-        logs = step % cfg.log_every == 0 or step == cfg.max_steps
-        if self.stage == 0 and logs and self.engine.is_gradient_accumulation_boundary():
-            # Without ZeRO, DeepSpeed clips fp32 gradients itself and returns no norm; the
-            # gradients are already all-reduced here, so every rank computes the same one.
-            # Only on steps that log it: it is one more pass over every gradient. Kept on
-            # the device until the log line reads it (after the step, not before it).
-            grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
-            self.grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
-        self.engine.step()
-        self.state.memory = (self.state.plan.after_nonfinite() if bad else
-                             self.state.plan.after_step(window, res))
-        return nll, n, bool(stop), int(new)
-
-    def _read_flags(self) -> tuple[float, float, float, float, float]:
-        """THE host sync of a training step (issue 14): one all-reduce of [nll sum, counted
-        tokens, non-finite ranks, stop ranks, new tokens] and one read of it. It cannot go:
-        every rank must stop (signal) at the same step, fp32/bf16 must stop before the
-        update a non-finite loss would make, and under fp16 the next window's memory
-        depends on it (after_nonfinite). It is read after the backward, so the device has
-        the whole forward + backward queued while the host waits; the loss sums ride along
-        for free (the logging steps then read nothing more). On a GPU,
-        `torch.cuda.set_sync_debug_mode("warn")` around a step should report only this."""
-        p, new = self._pending, float(self._pending_new)
-        self._pending, self._pending_new = None, 0
-        vec = p.new_empty(5)
-        vec[:3] = p
-        # Host scalars enter as fills (kernel arguments), not as a blocking host copy.
-        vec[3].fill_(1.0 if self.signals.received else 0.0)
-        vec[4].fill_(new)
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            torch.distributed.all_reduce(vec)
-        nll, n, bad, stop, new = vec.tolist()
-        return nll, n, bad, stop, new
-
-    # ------------------------------------------------------------------ checkpoints
-    def save(self) -> None:
-        st = self.state
-        payload = {"step": st.step, "tokens_seen": st.tokens_seen,
-                   "memory": None if st.memory is None else st.memory.to("cpu").state_dict(),
-                   "history": st.plan.state_dict(), "stream": self.stream.state_dict(),
-                   "rank": self.env.rank}
-        meta = {"world_size": self.env.world_size, "zero_stage": self.stage,
-                "global_batch": self.cfg.data.global_batch, "name": self.cfg.name,
-                "mechanism": self.cfg.model.mechanism,
-                # What the weights are: checked against the config that loads them later.
-                "model": self.cfg.model.to_dict()}
-        path = ckpt.save(self.engine, self.ckpt_root, st.step, self.env.rank, payload, meta,
-                         self.cfg.keep_last)
-        if self.env.is_main:
-            print(f"saved checkpoint {path}", flush=True)
-
-    # ------------------------------------------------------------------ evaluation
-    def validate(self, split: str | None = None, final: bool = False) -> dict:
-        cfg = self.cfg
-        split = split or (cfg.eval.split if final else cfg.data.valid_split)
-        proto = protocol_for(cfg, split=split)
-        # During a curriculum, validation scores the stage being trained; the final
-        # evaluation always scores the task's own segment count.
-        stage = None if final else self.curriculum.segments
-        report = evaluate(self.engine, self.engine.module, self.manifest, proto, self.env.rank,
-                          self.env.world_size, self.device,
-                          url_template=cfg.data.url_template, seed=cfg.data.seed,
-                          n_segments=stage)
-        prefix = "final" if final else "valid"
-        metrics = {f"{prefix}_loss": report["loss"], f"{prefix}_bpc": report["bpc"],
-                   f"{prefix}_ppl": report["ppl"]}
-        if "accuracy" in report:
-            metrics[f"{prefix}_accuracy"] = report["accuracy"]
-        self.tracker.log_metrics(metrics, self.state.step)
-        if self.env.is_main:
-            print(f"[{prefix} step {self.state.step}] {headline(report)}", flush=True)
-        if not final and self.schedule.report(report["loss"]) and self.env.is_main:
-            print(f"plateau: lr lowered to {self.schedule.get_last_lr()[0]:.3g}", flush=True)
-        if not final:
-            self._stage_changed(self.curriculum.after_validation(report.get("accuracy")))
-        return report
-
-    def _stage_changed(self, segments: int | None) -> None:
-        """A curriculum stage began: the task got harder, so the plateau schedule's best
-        validation loss is forgotten; the new count is logged at its first step."""
-        if segments is None:
-            return
-        self.schedule.restart_patience()
-        self.tracker.log_metrics({"curriculum_segments": segments}, self.state.step + 1)
-        if self.env.is_main:
-            print(f"curriculum: {segments} segments per sample after step {self.state.step}",
-                  flush=True)
-
-    def final_reports(self) -> None:
-        cfg = self.cfg
-        reports = {"main": self.validate(final=True)}
-        if cfg.eval.no_memory_baseline:
-            proto = protocol_for(cfg, carry_memory=False)
-            base = evaluate(self.engine, self.engine.module, self.manifest, proto,
-                            self.env.rank, self.env.world_size, self.device,
-                            url_template=cfg.data.url_template)
-            reports["no_memory"] = base
-            self.tracker.log_metrics({"final_loss_no_memory": base["loss"]}, self.state.step)
-            if self.env.is_main:
-                print(f"[same model, memory switched off] {headline(base)}", flush=True)
-        reports["step"] = self.state.step
-        self.tracker.log_json(reports, "eval_report.json")
-
-    # ------------------------------------------------------------------ the loop
-    def run(self) -> str:
-        cfg, st, env = self.cfg, self.state, self.env
-        progress = Progress(cfg.max_steps, st.step, enabled=env.is_main)
-        batches = iter(self.stream)
-        self.engine.train()
-        last_log, tokens_at_log = time.perf_counter(), st.tokens_seen
-        loss_sum = loss_n = 0.0
-        saved_at = st.step if st.step else -1
-        stop = False
-        while st.step < cfg.max_steps and not stop:
-            for _ in range(cfg.deepspeed.grad_accum):
-                nll, n, stop_now, new = self._micro_step(batches)
-                loss_sum, loss_n, stop = loss_sum + nll, loss_n + n, stop or stop_now
-                st.tokens_seen += new
-            st.step += 1
-            if st.step % cfg.log_every == 0 or st.step == cfg.max_steps:
-                now = time.perf_counter()
-                loss = loss_sum / max(loss_n, 1)
-                metrics = {"loss": loss, "bpc": bits_per_token(loss),
-                           "lr": self.schedule.get_last_lr()[0],
-                           "tokens_per_s": (st.tokens_seen - tokens_at_log) / (now - last_log),
-                           "peak_mem_mb": peak_memory_mb(self.device)}
-                metrics.update(self.curriculum.metrics())
-                if cfg.model.compile:  # graphs torch.compile built so far (model/compiled.py)
-                    metrics["compiled_graphs"] = compiled_graphs()
-                norm = self.engine.get_global_grad_norm() if self.stage else self.grad_norm
-                if norm is not None:
-                    metrics["grad_norm"] = float(norm)
-                self.tracker.log_metrics(metrics, st.step)
-                progress.update(st.step, metrics)
-                last_log, tokens_at_log, loss_sum, loss_n = now, st.tokens_seen, 0.0, 0.0
-            else:
-                progress.update(st.step, None)
-            if cfg.eval.every and st.step % cfg.eval.every == 0 and st.step < cfg.max_steps:
-                self.validate()
-            self._stage_changed(self.curriculum.after_step(st.step))
-            if stop or (cfg.save_every and st.step % cfg.save_every == 0):
-                self.save()
-                saved_at = st.step
-        progress.close()
-        if stop and st.step < cfg.max_steps:
-            if env.is_main:
-                print(f"stop signal {self.signals.received} received: checkpointed at step "
-                      f"{st.step}; the run resumes from there (memtrain train with the same "
-                      "config)", flush=True)
-            return "interrupted"
-        if saved_at != st.step:
-            self.save()
-        self.final_reports()
-        if env.is_main:
-            out = export_checkpoint(ckpt.find_latest(self.ckpt_root), cfg.resolved_run_dir /
-                                    "model.safetensors", cfg.model)
-            print(f"exported {out}", flush=True)
-        return "finished"
 
 
 def main_entry(cfg: RunConfig, resume: bool | str) -> int:
