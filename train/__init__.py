@@ -1,5 +1,21 @@
 """train/: composes model/ and data_pipeline/ into runs (engine, BPTT, checkpoints, tracking,
 the run directory, and the evaluation the loop runs between steps).
 
+Reading order, following one run (`memtrain train` -> cli.py):
+    config.py       the typed run config (RunConfig), YAML + `section.field=value` overrides
+    trainer.py      setup on each rank: process group, data, engine, resume, tracker
+    loop.py         TrainingLoop: micro-steps -> optimizer steps, the step's one host sync,
+                    logging, validation, checkpoints, stop signals
+    bptt.py         one micro-step's BPTT window: segments, memory threading, one backward
+    engine.py       DeepSpeed: ds_config, optimizer groups, LR schedule
+Around the loop:
+    distributed.py  rank / world / device from whichever launcher started us
+    checkpoint.py, resume.py, export.py   save, load (also on another world size), safetensors
+    run_dir.py      every file a run directory keeps; tracking.py, loss_curve.py, progress.py
+    evaluate.py     scoring under a stated protocol (valid during training, the final report)
+    curriculum.py   the segment-count curriculum for task data
+Before a run: memory_plan.py (`memtrain plan`) over memory_model.py; smoke.py (`memtrain
+smoke`, plain PyTorch). After it: run_access.py, what evaluation/ reads a run through.
+
 Never imports evaluation/, compare/ or cluster/ (tests/test_package_layout.py).
 """
