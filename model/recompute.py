@@ -7,7 +7,9 @@ outputs of some ops as well, so the re-run skips them:
     full                nothing but the inputs; everything is recomputed (the default)
     save-masks          dropout's 0/1 draws, 8 per byte: the recompute draws no random
                         numbers (on CPU dropout's RNG is a fifth of the forward)
-    save-ffn-out        the FFN's second matmul (d_inner -> d_model) in every layer
+    save-ffn-out        the FFN's second matmul (d_inner -> d_model) in every layer;
+                        save-ffn-out:N (and save-masks+ffn-out:N) in the first N layers
+                        only, a point between save-masks and save-masks+ffn-out
     save-linear         every linear-layer matmul (aten.mm / aten.addmm): q, k/v,
                         positions, W_o, both FFN matmuls, the softmax head
     save-matmul         save-linear plus the attention matmuls (aten.bmm, SDPA kernels)
@@ -18,7 +20,7 @@ saved per kept byte grows with the reduction size K. The FFN's second matmul has
 largest (K = d_inner); the other projections have K = d_model; the attention matmuls
 K = d_head or the key count, and their outputs are [B, H, Q, K] score matrices, the most
 bytes per second saved. Profile at the bench_bptt RMT shape (4 layers, d_model 256,
-segment 128, batch 8, fp32, 1 CPU thread; benchmarks/results/selective_recompute.md): of a
+segment 128, batch 8, fp32, 1 CPU thread; BENCHMARKS.md, "Selective recompute"): of a
 segment's forward, addmm 32%, mm 17%, bmm 15%, dropout's bernoulli_ 22%, the rest
 pointwise; the FFN-out matmul saves 5.2 ms per MB kept, the other linear ones 1.3-1.5,
 bmm 0.5.
@@ -70,10 +72,11 @@ _ATTENTION = tuple(getattr(_aten, name).default for name in (
 class _Rule:
     """Keep the outputs of `ops` (with `reduction`: only of a matmul whose reduction size,
     its first matrix operand's last dim, is `reduction`); `masks`: keep dropout's 0/1 draws
-    as bits."""
+    as bits; `limit`: keep only the first `limit` such outputs of a checkpointed call."""
 
-    def __init__(self, ops: tuple, reduction: int | None, masks: bool):
-        self.ops, self.reduction, self.masks = ops, reduction, masks
+    def __init__(self, ops: tuple, reduction: int | None, masks: bool,
+                 limit: int | None = None):
+        self.ops, self.reduction, self.masks, self.limit = ops, reduction, masks, limit
 
     def __call__(self, func, args) -> bool:
         if func not in self.ops:
@@ -93,6 +96,9 @@ class _Store:
     outputs: dict = field(default_factory=lambda: defaultdict(list))
     masks: list = field(default_factory=list)
     other_random: bool = False
+
+    def full(self, limit: int | None) -> bool:
+        return limit is not None and sum(map(len, self.outputs.values())) >= limit
 
 
 _BERNOULLI = _aten.bernoulli_.float
@@ -153,7 +159,7 @@ class _Keep(TorchDispatchMode):
                               f"with {func} (e.g. CUDA's fused dropout), not bernoulli_; "
                               "its dropout masks are drawn again in the recompute (exact, "
                               "but no time saved)", stacklevel=2)
-        if not self.rule(func, args):
+        if not self.rule(func, args) or self.store.full(self.rule.limit):
             return out
         self.store.outputs[func].append((_shapes(args), out))
         return tree_map_only(torch.Tensor, torch.clone, out)
@@ -167,6 +173,7 @@ class _Reuse(TorchDispatchMode):
         super().__init__()
         self.rule, self.store = rule, store
         self.used: dict = defaultdict(int)
+        self.matched = 0
 
     def _next(self, kept: list, key, shapes: tuple):
         i = self.used[key]
@@ -186,6 +193,9 @@ class _Reuse(TorchDispatchMode):
                                                     tuple(args[0].shape)))
         if not self.rule(func, args):
             return func(*args, **(kwargs or {}))
+        self.matched += 1   # the forward kept the first `limit` matches, in this order
+        if self.rule.limit is not None and self.matched > self.rule.limit:
+            return func(*args, **(kwargs or {}))
         return self._next(self.store.outputs[func], func, _shapes(args))
 
 
@@ -202,19 +212,34 @@ _POLICIES = {
 RECOMPUTE_POLICIES = ("full", *_POLICIES)
 
 
-def check_policy(policy: str) -> None:
-    if policy not in RECOMPUTE_POLICIES:
-        raise ValueError(f"unknown recompute policy {policy!r}; choose "
+def parse_policy(policy: str) -> tuple[str, int | None]:
+    """"save-ffn-out:2" -> ("save-ffn-out", 2): keep W2's output in the first 2 layers of
+    each checkpointed segment only; a name without ":N" keeps it in every layer."""
+    name, _, limit = policy.partition(":")
+    if name not in RECOMPUTE_POLICIES:
+        raise ValueError(f"unknown recompute policy {name!r}; choose "
                          f"{', '.join(RECOMPUTE_POLICIES)}")
+    if not limit:
+        return name, None
+    if not name.endswith("ffn-out"):
+        raise ValueError(f"{policy!r}: a layer count (':N') applies to the ffn-out policies "
+                         "only")
+    if not limit.isdigit() or int(limit) < 1:
+        raise ValueError(f"{policy!r}: the layer count after ':' must be an integer >= 1")
+    return name, int(limit)
+
+
+def check_policy(policy: str) -> None:
+    parse_policy(policy)
 
 
 def context_fn(policy: str, d_inner: int) -> Callable | None:
     """The `context_fn` for torch.utils.checkpoint.checkpoint; None for full recompute."""
-    check_policy(policy)
-    if policy == "full":
+    name, limit = parse_policy(policy)
+    if name == "full":
         return None
-    ops, reduction, masks = _POLICIES[policy]
-    rule = _Rule(ops, d_inner if reduction == "d_inner" else None, masks)
+    ops, reduction, masks = _POLICIES[name]
+    rule = _Rule(ops, d_inner if reduction == "d_inner" else None, masks, limit)
 
     def contexts():
         store = _Store()   # one per checkpointed call

@@ -55,7 +55,7 @@ def test_every_policy_gives_the_losses_and_gradients_of_the_uncheckpointed_windo
     """Dropout 0.2 and dropatt 0.1: a recompute that drew other masks would change the
     gradients far beyond the tolerance. keep_last_segments 1 mixes a whole segment in."""
     loss0, grads0 = _losses_and_grads(mechanism)
-    for policy in RECOMPUTE_POLICIES:
+    for policy in (*RECOMPUTE_POLICIES, "save-ffn-out:1", "save-masks+ffn-out:1"):
         for keep in (0, 1):
             loss, grads = _losses_and_grads(mechanism, checkpoint_segments=True,
                                             recompute=policy, keep_last_segments=keep)
@@ -117,6 +117,9 @@ def test_selective_policies_keep_more_than_full_recompute_and_less_than_no_check
     # save-ffn-out keeps exactly each layer's W2 output [rows, 2m+L, d_model] fp32.
     ffn_out = n * LAYERS * ROWS * (2 * MEM_TOKENS + L) * D_MODEL * 4
     assert kept["save-ffn-out"] - kept["full"] == ffn_out
+    # save-ffn-out:1: the first layer's only, in every checkpointed segment.
+    one_layer = _kept_bytes(n, checkpoint_segments=True, recompute="save-ffn-out:1")
+    assert one_layer - kept["full"] == ffn_out // LAYERS
 
 
 def test_save_masks_keeps_dropouts_draws_as_bits():
@@ -196,6 +199,8 @@ def test_the_recompute_skips_exactly_the_kept_matmuls():
         assert linear.get(op, 0) == plain.get(op, 0), op
     # Dropout is drawn again (same masks: RNG restored) unless its draws are kept.
     assert linear[aten.bernoulli_.float] == full[aten.bernoulli_.float] > 0
+    one_layer = _backward_op_counts(checkpoint_segments=True, recompute="save-ffn-out:1")
+    assert one_layer[aten.addmm.default] == full[aten.addmm.default] - 2
     masks = _backward_op_counts(checkpoint_segments=True, recompute="save-masks")
     assert masks.get(aten.bernoulli_.float, 0) == 0
     assert masks[aten.addmm.default] == full[aten.addmm.default]
@@ -207,6 +212,9 @@ def test_the_recompute_skips_exactly_the_kept_matmuls():
     (["bptt.checkpoint_segments=true", "bptt.keep_last_segments=-1"],
      "bptt.keep_last_segments"),
     (["bptt.keep_last_segments=1"], "bptt.keep_last_segments"),
+    (["bptt.checkpoint_segments=true", "bptt.recompute=save-linear:2"], "bptt.recompute"),
+    (["bptt.checkpoint_segments=true", "bptt.recompute=save-ffn-out:0"], "bptt.recompute"),
+    (["bptt.checkpoint_segments=true", "bptt.recompute=save-ffn-out:two"], "bptt.recompute"),
 ])
 def test_a_bad_recompute_setting_is_a_config_error_naming_the_field(override, field):
     with pytest.raises(ConfigError) as err:
@@ -218,6 +226,9 @@ def test_a_valid_recompute_setting_loads():
     cfg = load_config(None, ["data.path=x", "bptt.checkpoint_segments=true",
                              "bptt.recompute=save-ffn-out", "bptt.keep_last_segments=1"])
     assert (cfg.bptt.recompute, cfg.bptt.keep_last_segments) == ("save-ffn-out", 1)
+    cfg = load_config(None, ["data.path=x", "bptt.checkpoint_segments=true",
+                             "bptt.recompute=save-masks+ffn-out:2"])
+    assert cfg.bptt.recompute == "save-masks+ffn-out:2"
 
 
 def test_the_memory_plan_says_its_figure_is_for_full_recompute():

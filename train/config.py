@@ -22,7 +22,7 @@ import yaml
 # ConfigError is re-exported from here for the layers above (cluster/, the command lines),
 # which build on the run config and need not know where in model/ it is defined.
 from model import ModelConfig
-from model.recompute import RECOMPUTE_POLICIES
+from model.recompute import check_policy
 from model.typed import ConfigError, build_dataclass
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -69,11 +69,13 @@ class BPTTConfig:
     #   save-masks         dropout's 0/1 draws as bits (1/32 of the fp32 noise): no RNG in
     #                      the recompute (CPU; elsewhere the masks are drawn again)
     #   save-ffn-out       the FFN's d_inner -> d_model matmul output, every layer
+    #                      (save-ffn-out:N, save-masks+ffn-out:N: in the first N layers only)
     #   save-linear        every linear-layer matmul output (q, k/v, positions, W_o, FFN, head)
     #   save-matmul        save-linear plus the attention matmuls (score matrices)
     #   save-masks+X       the masks and what save-X keeps
     # Results are exact under every policy (same losses and gradients as no checkpointing).
-    # Measured time vs peak memory of each: benchmarks/results/selective_recompute.md.
+    # Measured time vs peak memory of each: BENCHMARKS.md, "Selective recompute for BPTT
+    # windows".
     recompute: str = "full"
     # The last N segments of every window are not checkpointed (keep all activations).
     # N = 1 is free in peak memory (the last segment's backward runs first; recomputing it
@@ -229,8 +231,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(b.depth >= 0, "bptt.depth", f"must be >= 0, got {b.depth}")
     _check(b.mode in BPTT_MODES, "bptt.mode", f"unknown {b.mode!r}; choose "
            f"{' or '.join(BPTT_MODES)}")
-    _check(b.recompute in RECOMPUTE_POLICIES, "bptt.recompute", f"unknown {b.recompute!r}; "
-           f"choose {', '.join(RECOMPUTE_POLICIES)}")
+    try:
+        check_policy(b.recompute)
+    except ValueError as err:
+        raise ConfigError("bptt.recompute", str(err)) from None
     _check(b.keep_last_segments >= 0, "bptt.keep_last_segments",
            f"must be >= 0, got {b.keep_last_segments}")
     if not b.checkpoint_segments:

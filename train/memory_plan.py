@@ -178,9 +178,10 @@ def recompute_notes(cfg: RunConfig) -> list[str]:
     b, notes = cfg.bptt, []
     if b.checkpoint_segments and b.recompute != "full":
         notes.append(f"bptt.recompute {b.recompute}: the window figures are for full "
-                     f"recompute; {b.recompute} also keeps matmul outputs in every checkpointed "
-                     "segment (not modelled here; measured: benchmarks/results/"
-                     "selective_recompute.md), so its peak is higher and grows with the depth")
+                     f"recompute; {b.recompute} also keeps op outputs in every checkpointed "
+                     "segment (not modelled here; measured: BENCHMARKS.md, \"Selective "
+                     "recompute for BPTT windows\"), so its peak is higher and grows with the "
+                     "depth")
     if b.checkpoint_segments and b.keep_last_segments > 1:
         notes.append(f"bptt.keep_last_segments {b.keep_last_segments}: the window figures are "
                      "for checkpointed segments; each segment kept whole after the first adds "
