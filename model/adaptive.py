@@ -183,13 +183,25 @@ class AdaptiveSoftmax(nn.Module):
         for proj in self.out_projs:
             nn.init.normal_(proj, 0.0, proj_init_std)
 
-    def _logits(self, hidden: torch.Tensor, i: int) -> torch.Tensor:
-        """Logits of cluster i (for i == 0: shortlist tokens, then one per tail cluster)."""
-        lo, hi = self.ends[i], self.ends[i + 1]
-        if self.div_val == 1:
-            weight, bias = self.out_weights[0][lo:hi], self.out_biases[0][lo:hi]
-        else:
-            weight, bias = self.out_weights[i], self.out_biases[i]
+    def _cluster_params(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(weight, bias) of every cluster. With div_val == 1 they are row blocks of one
+        matrix, cut by ONE split: its backward writes the whole [vocab, d] gradient once
+        (a cat of the blocks' gradients). Slicing each cluster separately made one
+        zero-filled [vocab, d] gradient per cluster, summed afterwards: at WikiText-103's
+        267,735 x 410 four fresh 440 MB buffers per step, 21% of a CPU training step at
+        batch 2 (benchmarks/bench_lamemo_cost.py --profile), and as many transient
+        [vocab, d] buffers on a GPU."""
+        if self.div_val != 1 or self.n_clusters == 1:   # whole parameters: no cut at all
+            return list(zip(self.out_weights, self.out_biases, strict=True))
+        sizes = [hi - lo for lo, hi in zip(self.ends[:-1], self.ends[1:], strict=True)]
+        return list(zip(self.out_weights[0].split(sizes), self.out_biases[0].split(sizes),
+                        strict=True))
+
+    def _logits(self, hidden: torch.Tensor, i: int,
+                params: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+        """Logits of cluster i (for i == 0: shortlist tokens, then one per tail cluster);
+        params: `_cluster_params()`, made once per call of the module by its callers."""
+        weight, bias = (params or self._cluster_params())[i]
         if i == 0 and self.n_clusters > 1:
             weight = torch.cat([weight, self.cluster_weight], dim=0)
             bias = torch.cat([bias, self.cluster_bias], dim=0)
@@ -222,7 +234,8 @@ class AdaptiveSoftmax(nn.Module):
             rows = _host_cluster_rows(target, self.ends, hidden.device)
         # Targets may come from the host: the gathers read a non-blocking device copy.
         target = target.to(hidden.device, non_blocking=True)
-        head_logprob = F.log_softmax(_fp32(self._logits(hidden, 0)), dim=-1)
+        params = self._cluster_params()
+        head_logprob = F.log_softmax(_fp32(self._logits(hidden, 0, params)), dim=-1)
         if self.n_clusters == 1:
             return -head_logprob.gather(1, target[:, None]).squeeze(1).view(shape)
 
@@ -240,7 +253,7 @@ class AdaptiveSoftmax(nn.Module):
             if i == 0:
                 logprob = head_logprob[idx].gather(1, target_i[:, None]).squeeze(1)
             else:
-                tail_logprob = F.log_softmax(_fp32(self._logits(hidden[idx], i)), dim=-1)
+                tail_logprob = F.log_softmax(_fp32(self._logits(hidden[idx], i, params)), dim=-1)
                 # log p(token) = log p(cluster i | head) + log p(token | cluster i)
                 logprob = (head_logprob[idx, self.shortlist + i - 1]
                            + tail_logprob.gather(1, target_i[:, None]).squeeze(1))
@@ -250,10 +263,11 @@ class AdaptiveSoftmax(nn.Module):
     def log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, d_proj] -> full log-distribution [N, vocab_size] (float32 or wider)."""
         self._check(hidden)
-        head_logprob = F.log_softmax(_fp32(self._logits(hidden, 0)), dim=-1)
+        params = self._cluster_params()
+        head_logprob = F.log_softmax(_fp32(self._logits(hidden, 0, params)), dim=-1)
         parts = [head_logprob[..., : self.shortlist]]
         for i in range(1, self.n_clusters):
-            tail_logprob = F.log_softmax(_fp32(self._logits(hidden, i)), dim=-1)
+            tail_logprob = F.log_softmax(_fp32(self._logits(hidden, i, params)), dim=-1)
             cluster_logprob = head_logprob[..., self.shortlist + i - 1, None]
             parts.append(cluster_logprob + tail_logprob)
         return torch.cat(parts, dim=-1)

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.adaptive import AdaptiveEmbedding, AdaptiveSoftmax, tie_embeddings
 
@@ -98,6 +99,62 @@ def test_tail_token_probability_factorises_into_head_times_within_cluster(settin
         p_within = torch.softmax(hi_ @ wi.T + bi, -1)[:, token - ENDS[i]]
         p_cluster = p_head[:, 200 + i - 1]
         assert_close(p[:, token], p_cluster * p_within)
+
+
+def _naive_nll(sm: AdaptiveSoftmax, hidden, target):
+    """-log p(target) from the definition: head softmax over shortlist + cluster logits,
+    p(tail token) = p(cluster) p(token | cluster), each cluster's weights sliced by hand."""
+    def logits(i, h):
+        lo, hi = ENDS[i], ENDS[i + 1]
+        w, b = sm.out_weights[0][lo:hi], sm.out_biases[0][lo:hi]
+        h = h @ sm.out_projs[i] if len(sm.out_projs) else h
+        if i == 0:
+            w, b = torch.cat([w, sm.cluster_weight]), torch.cat([b, sm.cluster_bias])
+        return h @ w.T + b
+    out = []
+    for h, t in zip(hidden, target.tolist(), strict=True):
+        head = F.log_softmax(logits(0, h[None]), -1)[0]
+        i = next(i for i in range(3) if t < ENDS[i + 1])
+        lp = head[t] if i == 0 else head[200 + i - 1] + F.log_softmax(
+            logits(i, h[None]), -1)[0, t - ENDS[i]]
+        out.append(-lp)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("setting", ["div1", "div1_proj"])
+def test_one_matrix_clusters_give_the_naive_gradient_and_one_vocab_sized_buffer(setting):
+    """div_val 1: the clusters are row blocks of one [vocab, d] matrix. Their gradient is
+    the per-cluster slices' (naive reference), written into ONE new [vocab, d] tensor, not
+    one zero-filled [vocab, d] tensor per cluster (4 x 440 MB per step at WikiText-103)."""
+    sm = make_softmax(setting).double()
+    target = targets_in_every_cluster()
+    hidden = torch.randn(len(target), sm.d_proj, dtype=torch.float64)
+    _naive_nll(sm, hidden, target).sum().backward()
+    naive = [p.grad.clone() for p in sm.parameters()]
+    sm.zero_grad(set_to_none=True)
+    loss = sm.nll(hidden, target).sum()
+    weight = sm.out_weights[0]
+    made = _ShapeCount(tuple(weight.shape))
+    with made:
+        loss.backward()
+    assert made.n == 1, made.n
+    for got, want in zip([p.grad for p in sm.parameters()], naive, strict=True):
+        assert_close(got, want, atol=1e-12, rtol=1e-12)
+
+
+class _ShapeCount(TorchDispatchMode):
+    """How many op outputs have `shape` (the new tensors an op makes, views excepted)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape, self.n = shape, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and tuple(out.shape) == self.shape \
+                and torch.Tag.view_copy not in func.tags and not func.is_view:
+            self.n += 1
+        return out
 
 
 def test_calling_the_module_dispatches_to_nll_or_log_probs():

@@ -38,9 +38,9 @@ layer's dropout output [B,2m+L,d] (or of the memory LayerNorm's output [B,m,d]).
 Peak of a window (train/bptt.py `run_window`, one backward), walked block by block in
 reverse (head, each layer's FFN then attention, embedding): a block frees what it saved and,
 while it runs, adds its backward's allocations: 2·N·V fp32 log-prob gradients, W's gradient
-and SliceBackward's zeroed [V,d] (head); the score and K, V gradients plus the skew's
-backward (a [B,H,Q,D] gradient of the positional scores); 3·[B,Q,d_inner] (FFN: CopySlices
-of the in-place ReLU); [V,d] (embedding).
+and, with an adaptive softmax, the [V,d] gradient its clusters' split writes (head); the
+score and K, V gradients plus the skew's backward (a [B,H,Q,D] gradient of the positional
+scores); 3·[B,Q,d_inner] (FFN: CopySlices of the in-place ReLU); [V,d] (embedding).
 A parameter used again in an earlier segment (all when k >= 1, the tied embedding always)
 holds a gradient buffer in the autograd engine until its last use. Segment checkpointing
 keeps each segment's memory and outputs and recomputes one segment at a time, layer
@@ -288,8 +288,8 @@ def _head(dm: Dims, p: Params, rows_out: int, n_rows: int) -> Block:
     ends = [0, *c.cutoffs, c.vocab_size]
     if not c.cutoffs:
         blk.add("head", n_rows * c.vocab_size * 4)
-        # log-prob gradients; W's gradient from the matmul and SliceBackward's [V, d] zeros
-        blk.transient = 2 * n_rows * c.vocab_size * 4 + 2 * c.vocab_size * d * s
+        # log-prob gradients; W's gradient from the matmul (the whole matrix: no split)
+        blk.transient = 2 * n_rows * c.vocab_size * 4 + c.vocab_size * d * s
         return blk
     frac = head_cluster_rows(c)
     v_head = ends[1] + len(ends) - 2
@@ -297,7 +297,9 @@ def _head(dm: Dims, p: Params, rows_out: int, n_rows: int) -> Block:
     for i in range(1, len(ends) - 1):
         rows_i = n_rows * frac[i]
         blk.add("head", rows_i * (d * s + 16) + rows_i * (ends[i + 1] - ends[i]) * 4)
-    biggest = max([v_head] + [ends[i + 1] - ends[i] for i in range(1, len(ends) - 1)])  # its W grad
+    # The split's [V, d] gradient (model/adaptive.py `_cluster_params`) beside the largest
+    # cluster's weight gradient: the fit to the measured WikiText-103 rows (BENCHMARKS.md).
+    biggest = max([v_head] + [ends[i + 1] - ends[i] for i in range(1, len(ends) - 1)])
     blk.transient = 3 * n_rows * v_head * 4 + p.embedding * s + biggest * d * s
     return blk
 
