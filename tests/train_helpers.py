@@ -135,6 +135,10 @@ def torchrun_exit_codes(stderr: str) -> tuple[int, dict[int, int]]:
 ZERO_RUN_SECTIONS = {
     "xl": dict(max_steps=10, eval={"max_segments": 4}),
     "lamemo": dict(max_steps=10, model={"mechanism": "lamemo"}, eval={"max_segments": 4}),
+    # The WikiText-103 configs' head: a tied adaptive softmax, clusters cut from one matrix.
+    "xl-adaptive": dict(max_steps=10, model={"cutoffs": [4, 8], "div_val": 1,
+                                             "tie_projs": [False, True, True]},
+                        eval={"max_segments": 4}),
     # RMT with an XL cache, BPTT through 2 segments, segment checkpointing.
     "rmt": dict(max_steps=10, model={"mechanism": "rmt", "mem_len": 4,
                                      "rmt": {"num_mem_tokens": 3}},
