@@ -124,6 +124,11 @@ class RMT(RelativeBackbone):
         write = h[:, m + n_tok:]
         if self.memory_layer_norm is not None:
             write = self.memory_layer_norm(write)
+        else:
+            # A copy of the m rows, not a view: a view keeps the whole [B, 2m+L, d] output
+            # alive for as long as the memory lives, which under segment checkpointing is
+            # every segment of the BPTT window (the next segment keeps its input memory).
+            write = write.clone()
         new_state = RMTMemory(tokens=write,
                               fresh=torch.zeros_like(state.fresh), cache=new_cache)
         return h[:, m:m + n_tok], new_state

@@ -67,6 +67,19 @@ def test_read_and_write_memory_of_next_segment_equal_this_segments_write_output(
                 torch.testing.assert_close(layer0_input[:, -m:], prev.tokens)
 
 
+@pytest.mark.parametrize("pre_lnorm", [False, True])
+def test_the_memory_holds_its_m_rows_only_not_the_whole_segment_output(pre_lnorm):
+    """The next memory is the write block [B, m, d] in a storage of its own: a view would
+    keep the segment's [B, 2m+L, d] output alive, in a checkpointed BPTT window once per
+    segment."""
+    model = tiny_model("rmt", mem_len=0, pre_lnorm=pre_lnorm)
+    m, d = model.cfg.rmt.num_mem_tokens, model.cfg.d_model
+    x = torch.randint(0, 23, (1, 5))   # one row: the write block of a view is contiguous too
+    tokens = model(x[:, :-1], None, targets=x[:, 1:]).state.tokens
+    assert tokens.shape == (1, m, d)
+    assert tokens.untyped_storage().nbytes() == m * d * tokens.element_size()
+
+
 @pytest.mark.parametrize("k", [0, 1, 2])
 def test_bptt_depth_k_reaches_memory_k_segments_back_and_not_k_plus_1(k):
     """The model never detaches the memory; the caller's detach sets the depth. With the

@@ -32,8 +32,8 @@ s bytes of the model dtype: 4 fp32, 2 bf16/fp16; each storage counted once):
   over the frequency-sorted vocabulary (natural text puts more in the head: an upper bound).
 Memory state (model/memory.py): a FIFO keeps the [old ∘ new] concatenation and views its last
 M rows, so an XL cache costs n_layer·B·(M+L)·d·s; LaMemo keeps the embeddings and per layer
-contexts [B,M+L,H,dh] and fp32 log-normalisers [B,M+L,H]; RMT's memory is a view of the top
-layer's dropout output [B,2m+L,d] (or of the memory LayerNorm's output [B,m,d]).
+contexts [B,M+L,H,dh] and fp32 log-normalisers [B,M+L,H]; RMT's memory is a copy of the write
+rows of the top layer's output [B,m,d] (or the memory LayerNorm's output, as large).
 
 Peak of a window (train/bptt.py `run_window`, one backward), walked block by block in
 reverse (head, each layer's FFN then attention, embedding): a block frees what it saved and,
@@ -343,8 +343,7 @@ def state_bytes(dm: Dims) -> float:
     b, d, s, n, m = dm.rows, c.d_model, dm.s, c.tgt_len, dm.mem_len
     if c.mechanism == "rmt":
         q = 2 * c.rmt.num_mem_tokens + n
-        tokens = b * (c.rmt.num_mem_tokens if c.pre_lnorm and c.rmt.memory_norm != "none"
-                      else q) * d * s
+        tokens = b * c.rmt.num_mem_tokens * d * s   # the write rows, copied (model/rmt.py)
         return tokens + (c.n_layer * b * (m + q) * d * s if m else 0)
     if m == 0:
         return 0.0

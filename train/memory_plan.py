@@ -196,7 +196,7 @@ def state_shape(setup: Setup, mem: int) -> str:
         return "none (task samples start fresh)"
     if m.mechanism == "rmt":
         q = 2 * m.rmt.num_mem_tokens + m.tgt_len
-        text = f"RMT memory {b} x {m.rmt.num_mem_tokens} of a [{b}, {q}, {m.d_model}] tensor"
+        text = f"RMT memory [{b}, {m.rmt.num_mem_tokens}, {m.d_model}]"
         return text + (f", XL cache {m.n_layer} x [{b}, {mem}+{q}, {m.d_model}]" if mem else "")
     if mem == 0:
         return "none (mem_len 0)"
