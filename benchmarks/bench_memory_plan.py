@@ -41,7 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data_pipeline.streams import SegmentBatch  # noqa: E402
 from model import ModelConfig, build_model  # noqa: E402
 from train.bptt import run_window  # noqa: E402
-from train.memory_model import Dims, count_params, window_memory  # noqa: E402
+from train.memory_model import Dims, count_params  # noqa: E402
+from train.memory_window import window_memory  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

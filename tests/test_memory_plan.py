@@ -1,4 +1,5 @@
-"""`memtrain plan` (train/memory_plan.py) and its activation model (train/memory_model.py).
+"""`memtrain plan` (train/memory_plan.py) and its activation model (train/memory_model.py,
+train/memory_window.py).
 
 ZeRO model states against hand-computed numbers and against the bytes DeepSpeed was measured
 to hold (BENCHMARKS.md, "ZeRO: model-state memory per rank"); monotonicity in k and mem_len;
@@ -16,7 +17,7 @@ import pytest
 
 from model import ModelConfig
 from train.config import load_config
-from train.memory_model import Dims, count_params, window_memory
+from train.memory_model import Dims, count_params
 from train.memory_plan import (
     GIB,
     largest,
@@ -26,6 +27,7 @@ from train.memory_plan import (
     total_bytes,
     zero_buffers,
 )
+from train.memory_window import window_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -14,8 +14,9 @@ Around the loop:
     run_dir.py      every file a run directory keeps; tracking.py, loss_curve.py, progress.py
     evaluate.py     scoring under a stated protocol (valid during training, the final report)
     curriculum.py   the segment-count curriculum for task data
-Before a run: memory_plan.py (`memtrain plan`) over memory_model.py; smoke.py (`memtrain
-smoke`, plain PyTorch). After it: run_access.py, what evaluation/ reads a run through.
+Before a run: memory_plan.py (`memtrain plan`) over memory_model.py and memory_window.py;
+smoke.py (`memtrain smoke`, plain PyTorch). After it: run_access.py, what evaluation/ reads
+a run through.
 
 Never imports evaluation/, compare/ or cluster/ (tests/test_package_layout.py).
 """

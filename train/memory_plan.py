@@ -13,8 +13,9 @@ Per GPU (one rank per GPU, as `memtrain submit` lays them out):
   state over the N_d data-parallel ranks, stage 2 also the gradients, stage 3 the parameters;
 - DeepSpeed's reduce bucket (and at stage 3 its prefetch bucket and one gathered tensor);
 - the memory state carried between windows and the peak of one BPTT window, from
-  train/memory_model.py (formulas derived from model/ and validated on the CPU:
-  benchmarks/bench_memory_plan.py);
+  train/memory_model.py (what each block of a segment saves, formulas derived from model/)
+  and train/memory_window.py (the window's peak), validated on the CPU by
+  benchmarks/bench_memory_plan.py;
 - a fixed safety margin for the CUDA context, NCCL and allocator fragmentation.
 The largest BPTT depth k and the largest mem_len that fit are searched with that model.
 Exit code 0 if the run fits, 1 if it does not (the message names what does), 2 for a bad
@@ -33,7 +34,8 @@ from model import ConfigError
 
 from .config import RunConfig, load_config
 from .engine import build_ds_config, zero_stage
-from .memory_model import Dims, Params, count_params, state_bytes, window_memory
+from .memory_model import Dims, Params, count_params, state_bytes
+from .memory_window import window_memory
 
 GIB = 2 ** 30
 # Memory per GPU as nvidia-smi reports it, MiB.

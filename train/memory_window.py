@@ -1,0 +1,102 @@
+"""Peak bytes of one training window per GPU (for `memtrain plan`), from the per-block
+accounting of memory_model.py.
+
+Peak of a window (train/bptt.py `run_window`, one backward), walked block by block in
+reverse (head, each layer's FFN then attention, embedding): a block frees what it saved and,
+while it runs, adds its backward's allocations: 2·N·V fp32 log-prob gradients, W's gradient
+and, with an adaptive softmax, the [V,d] gradient its clusters' split writes (head); the
+score and K, V gradients plus the skew's backward (a [B,H,Q,D] gradient of the positional
+scores); 3·[B,Q,d_inner] (FFN: CopySlices of the in-place ReLU); [V,d] (embedding).
+A parameter used again in an earlier segment (all when k >= 1, the tied embedding always)
+holds a gradient buffer in the autograd engine until its last use. Segment checkpointing
+keeps each segment's memory and outputs and recomputes one segment at a time, layer
+checkpointing the same per layer. Validated on CPU by benchmarks/bench_memory_plan.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .memory_model import (
+    Block,
+    Dims,
+    Params,
+    positional_bytes,
+    segment_blocks,
+    state_bytes,
+    tied_bytes,
+)
+
+
+@dataclass
+class WindowMemory:
+    saved: float                 # held after the forward (the carried state's storages not)
+    peak: float                  # peak growth over the step: activations, new states, grads
+    per_segment: dict            # category -> bytes of one segment's saved tensors
+    head_transient: float        # what the head's backward allocates
+
+
+def _checkpointed(layer: list[Block], kept_in: float, dup: float) -> list[Block]:
+    """A layer under `checkpoint_layers`: only its input stays (a block of its own, freed
+    when the layer's backward is done); its last block recomputes the rest (less `dup`, the
+    input itself when the first projection saves it)."""
+    for blk in layer:
+        blk.kept = 0.0
+    layer[-1].recompute = sum(blk.saved for blk in layer) - dup
+    layer[0].saved -= dup
+    return [Block("layer input", saved=kept_in), *layer]
+
+
+def window_memory(dm: Dims, p: Params, n_segments: int, checkpoint_segments: bool) -> WindowMemory:
+    c = dm.cfg
+    seg_blocks = []
+    for first in (True, False)[:n_segments]:
+        # With segment checkpointing the previous states are alive anyway (counted below).
+        emb, layers, head = segment_blocks(dm, p, first_in_window=first or checkpoint_segments)
+        emb.add("rel-pos", positional_bytes(dm))
+        if c.checkpoint_layers:
+            # The layer's input tensor is the checkpoint's argument: XL/RMT queries' input
+            # (saved by q_net, so not recomputed); a LaMemo layer's [memory ∘ segment] output
+            # of the layer below (its rows are copied, not saved as such), h0 for layer 0.
+            row = dm.rows * c.d_model * dm.s
+            if c.mechanism == "lamemo" and c.lamemo.look_ahead:
+                ins = [(c.tgt_len * row, c.tgt_len * row)] + \
+                    [((c.tgt_len + dm.mem_len) * row, 0.0)] * (c.n_layer - 1)
+            else:
+                q = c.tgt_len + (2 * c.rmt.num_mem_tokens if c.mechanism == "rmt" else 0)
+                ins = [(q * row, q * row)] * c.n_layer
+            layers = [_checkpointed(layer, kept, dup)
+                      for layer, (kept, dup) in zip(layers, ins, strict=True)]
+        seg_blocks.append([emb, *(blk for layer in layers for blk in layer), head])
+    last = seg_blocks[-1]
+    cats: dict = {}
+    for blk in last:
+        for cat, v in blk.parts.items():
+            cats[cat] = cats.get(cat, 0.0) + v
+    state = state_bytes(dm)
+    lamemo_ctx = 0.0   # LaMemo's non-top contexts are W_o inputs, saved above
+    if c.mechanism == "lamemo" and c.lamemo.look_ahead and not c.checkpoint_layers:
+        lamemo_ctx = (c.n_layer - 1) * dm.rows * (c.tgt_len + dm.mem_len) * c.n_head * \
+            c.d_head * dm.s
+    new_state = state - lamemo_ctx
+    outputs = dm.rows * c.tgt_len * 5 + 5056                 # nll, mask, the CPU RNG state
+    held = [sum(blk.held for blk in seg) for seg in seg_blocks]
+    saved = held[0] + (n_segments - 1) * held[-1]
+    multi, buffers = n_segments > 1, 0.0
+    live = n_segments * (state + outputs) if checkpoint_segments else saved + new_state
+    peak = live
+    # Backward, last segment first. From the second one on every parameter's buffer exists
+    # and less is alive, so the later segments cannot peak higher: two are simulated.
+    for seg in [last] * min(n_segments, 2):
+        if checkpoint_segments:   # recompute the whole segment, keep it until its backward
+            live += sum(blk.held for blk in seg)
+            peak = max(peak, live + buffers)
+        for blk in reversed(seg):
+            live += blk.recompute
+            peak = max(peak, live + buffers + blk.transient)
+            live -= blk.saved
+            if multi:        # every parameter is used again in an earlier segment
+                buffers = min(buffers + blk.params, p.total * dm.s)
+            elif blk.name == "head":   # the tied weight is used again by the embedding
+                buffers += tied_bytes(c, p) * dm.s
+    return WindowMemory(saved, peak, cats, last[-1].transient)
