@@ -198,10 +198,10 @@ class AdaptiveSoftmax(nn.Module):
                         strict=True))
 
     def _logits(self, hidden: torch.Tensor, i: int,
-                params: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> torch.Tensor:
+                params: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Logits of cluster i (for i == 0: shortlist tokens, then one per tail cluster);
-        params: `_cluster_params()`, made once per call of the module by its callers."""
-        weight, bias = (params or self._cluster_params())[i]
+        params: `_cluster_params()`, made once per call of the module."""
+        weight, bias = params[i]
         if i == 0 and self.n_clusters > 1:
             weight = torch.cat([weight, self.cluster_weight], dim=0)
             bias = torch.cat([bias, self.cluster_bias], dim=0)

@@ -78,6 +78,9 @@ class _Rule:
                  limit: int | None = None):
         self.ops, self.reduction, self.masks, self.limit = ops, reduction, masks, limit
 
+    def beyond_limit(self, nth_match: int) -> bool:
+        return self.limit is not None and nth_match > self.limit
+
     def __call__(self, func, args) -> bool:
         if func not in self.ops:
             return False
@@ -96,9 +99,6 @@ class _Store:
     outputs: dict = field(default_factory=lambda: defaultdict(list))
     masks: list = field(default_factory=list)
     other_random: bool = False
-
-    def full(self, limit: int | None) -> bool:
-        return limit is not None and sum(map(len, self.outputs.values())) >= limit
 
 
 _BERNOULLI = _aten.bernoulli_.float
@@ -146,6 +146,7 @@ class _Keep(TorchDispatchMode):
     def __init__(self, rule: _Rule, store: _Store):
         super().__init__()
         self.rule, self.store = rule, store
+        self.matched = 0   # ops the rule matched so far; `_Reuse` counts them the same way
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -159,7 +160,10 @@ class _Keep(TorchDispatchMode):
                               f"with {func} (e.g. CUDA's fused dropout), not bernoulli_; "
                               "its dropout masks are drawn again in the recompute (exact, "
                               "but no time saved)", stacklevel=2)
-        if not self.rule(func, args) or self.store.full(self.rule.limit):
+        if not self.rule(func, args):
+            return out
+        self.matched += 1
+        if self.rule.beyond_limit(self.matched):
             return out
         self.store.outputs[func].append((_shapes(args), out))
         return tree_map_only(torch.Tensor, torch.clone, out)
@@ -193,8 +197,8 @@ class _Reuse(TorchDispatchMode):
                                                     tuple(args[0].shape)))
         if not self.rule(func, args):
             return func(*args, **(kwargs or {}))
-        self.matched += 1   # the forward kept the first `limit` matches, in this order
-        if self.rule.limit is not None and self.matched > self.rule.limit:
+        self.matched += 1   # the forward kept only the first `limit` matches, in this order
+        if self.rule.beyond_limit(self.matched):
             return func(*args, **(kwargs or {}))
         return self._next(self.store.outputs[func], func, _shapes(args))
 

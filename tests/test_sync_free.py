@@ -250,7 +250,8 @@ def test_host_routing_picks_the_rows_nonzero_picks_out_of_range_ids_included():
 def _reference_nll(sm: AdaptiveSoftmax, hidden, target):
     """The adaptive softmax's nll as it was before issue 14 (nonzero routing)."""
     from model.adaptive import _cluster_mask, _fp32
-    head = torch.nn.functional.log_softmax(_fp32(sm._logits(hidden, 0)), dim=-1)
+    params = sm._cluster_params()
+    head = torch.nn.functional.log_softmax(_fp32(sm._logits(hidden, 0, params)), dim=-1)
     nll = torch.zeros(target.shape, dtype=head.dtype)
     for i in range(sm.n_clusters):
         idx = _cluster_mask(target, sm.ends, i).nonzero().squeeze(1)
@@ -258,7 +259,8 @@ def _reference_nll(sm: AdaptiveSoftmax, hidden, target):
         if i == 0:
             lp = head[idx].gather(1, t_i[:, None]).squeeze(1)
         else:
-            tail = torch.nn.functional.log_softmax(_fp32(sm._logits(hidden[idx], i)), dim=-1)
+            logits = sm._logits(hidden[idx], i, params)
+            tail = torch.nn.functional.log_softmax(_fp32(logits), dim=-1)
             lp = head[idx, sm.shortlist + i - 1] + tail.gather(1, t_i[:, None]).squeeze(1)
         nll.index_copy_(0, idx, -lp)
     return nll
