@@ -81,7 +81,8 @@ def _data_ptr(t: torch.Tensor) -> int | None:
 
 
 def measure(cfg: ModelConfig, rows: int, depth: int, checkpoint_segments: bool,
-            precision: str = "fp32", seed: int = 0) -> dict:
+            precision: str = "fp32", seed: int = 0, recompute: str = "full",
+            keep_last: int = 0) -> dict:
     """Saved-tensor bytes and peak allocation growth of one window of depth+1 segments."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -94,8 +95,10 @@ def measure(cfg: ModelConfig, rows: int, depth: int, checkpoint_segments: bool,
     with torch.no_grad():   # a full memory, as in the middle of a stream
         for _ in range(max(1, math.ceil(cfg.mem_len / cfg.tgt_len))):
             state = run_window(forward, state, [_segment(cfg, rows, gen)], "cpu").state
+    window = {"checkpoint_segments": checkpoint_segments, "recompute": recompute,
+              "keep_last_segments": keep_last}
     warm = run_window(forward, state, [_segment(cfg, rows, gen) for _ in range(depth + 1)],
-                      "cpu", checkpoint_segments=checkpoint_segments)
+                      "cpu", **window)
     warm.loss.backward()
     state = warm.state
     for p in model.parameters():
@@ -117,17 +120,17 @@ def measure(cfg: ModelConfig, rows: int, depth: int, checkpoint_segments: bool,
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            res = run_window(forward, state, segments, "cpu",
-                             checkpoint_segments=checkpoint_segments)
+            res = run_window(forward, state, segments, "cpu", **window)
         res.loss.backward()
         del res
     return {"saved": sum(saved.values()), "peak": _peak_growth(prof)}
 
 
 def predict(cfg: ModelConfig, rows: int, depth: int, checkpoint_segments: bool,
-            precision: str = "fp32") -> dict:
+            precision: str = "fp32", recompute: str = "full", keep_last: int = 0) -> dict:
     dims = Dims(cfg, rows, cfg.mem_len, precision, kernel="cpu")
-    w = window_memory(dims, count_params(cfg), depth + 1, checkpoint_segments)
+    w = window_memory(dims, count_params(cfg), depth + 1, checkpoint_segments, recompute,
+                      keep_last)
     return {"saved": w.saved, "peak": w.peak}
 
 
@@ -175,6 +178,26 @@ CASES += [
     ("wt103-shape rmt k=2 ckpt-seg", dict(WT103, mechanism="rmt", mem_len=0,
                                           rmt={"num_mem_tokens": 10}), 2, 2, True, "fp32"),
 ]
+# Selective recompute (bptt.recompute, keep_last_segments; train/memory_recompute.py): the
+# checkpointed segments keep op outputs too. (label, ..., {recompute, keep_last}).
+RMT16 = _small(mechanism="rmt", mem_len=0, rmt={"num_mem_tokens": 16})
+CASES += [
+    ("rmt k=3 save-masks", RMT16, 4, 3, True, "fp32", {"recompute": "save-masks"}),
+    ("rmt k=3 masks+ffn-out:2 last1", RMT16, 4, 3, True, "fp32",
+     {"recompute": "save-masks+ffn-out:2", "keep_last": 1}),
+    ("rmt k=3 save-linear", RMT16, 4, 3, True, "fp32", {"recompute": "save-linear"}),
+    ("rmt k=3 save-matmul last1", RMT16, 4, 3, True, "fp32",
+     {"recompute": "save-matmul", "keep_last": 1}),
+    ("xl M=128 k=3 ffn-out last2", _small(mechanism="xl", mem_len=128), 4, 3, True, "fp32",
+     {"recompute": "save-ffn-out", "keep_last": 2}),
+    ("xl adaptive k=2 save-linear", _small(mechanism="xl", vocab_size=2000, div_val=2,
+                                           cutoffs=[200, 600, 1200]), 4, 2, True, "fp32",
+     {"recompute": "save-linear"}),
+    ("lamemo M=64 k=2 save-matmul", _small(mechanism="lamemo"), 4, 2, True, "fp32",
+     {"recompute": "save-matmul"}),
+    ("lamemo M=64 k=2 masks+ffn-out", _small(mechanism="lamemo", dropatt=0.1), 4, 2, True,
+     "fp32", {"recompute": "save-masks+ffn-out"}),
+]
 QUICK = ("xl M=64 k=0", "lamemo M=64 k=0", "rmt m=16 k=0")
 
 
@@ -183,20 +206,22 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="three small rows only")
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--only", help="only the rows whose label contains this text")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rows_out = []
     print(f"{'config':<28} {'pred saved MB':>13} {'meas saved MB':>13} {'err':>7} "
           f"{'pred peak MB':>12} {'meas peak MB':>12} {'err':>7}", flush=True)
-    for label, kw, rows, depth, ckpt, prec in CASES:
-        if args.quick and label not in QUICK:
+    for label, kw, rows, depth, ckpt, prec, *window in CASES:
+        if (args.quick and label not in QUICK) or (args.only and args.only not in label):
             continue
+        window = window[0] if window else {}
         cfg = ModelConfig(**kw)
         t0 = time.process_time()
-        got = measure(cfg, rows, depth, ckpt, prec)
-        want = predict(cfg, rows, depth, ckpt, prec)
+        got = measure(cfg, rows, depth, ckpt, prec, **window)
+        want = predict(cfg, rows, depth, ckpt, prec, **window)
         r = {"config": label, "rows": rows, "depth": depth, "checkpoint_segments": ckpt,
-             "precision": prec, **{f"pred_{k}": v for k, v in want.items()},
+             "precision": prec, **window, **{f"pred_{k}": v for k, v in want.items()},
              **{f"meas_{k}": v for k, v in got.items()}, "cpu_s": time.process_time() - t0}
         r["err_peak"] = (want["peak"] - got["peak"]) / got["peak"]
         # Checkpointed regions save through their own hooks: the saved column would not

@@ -231,20 +231,6 @@ def test_a_valid_recompute_setting_loads():
     assert cfg.bptt.recompute == "save-masks+ffn-out:2"
 
 
-def test_the_memory_plan_says_its_figure_is_for_full_recompute():
-    from train.memory_plan import recompute_notes
-
-    def notes(*o):
-        return recompute_notes(load_config(None, ["data.path=x", *o]))
-    assert notes("bptt.checkpoint_segments=true") == []
-    assert notes("bptt.checkpoint_segments=true", "bptt.keep_last_segments=1") == []
-    (note,) = notes("bptt.checkpoint_segments=true", "bptt.recompute=save-linear")
-    assert note.startswith("bptt.recompute save-linear: the window figures are for full "
-                           "recompute")
-    (note,) = notes("bptt.checkpoint_segments=true", "bptt.keep_last_segments=2")
-    assert "not modelled" in note
-
-
 # ----------------------------------------------------------------------------- engine
 def _engine_losses(stage: int) -> dict:
     """3 optimizer steps of RMT windows (k=2, dropout 0.1) through a 1-rank DeepSpeed engine

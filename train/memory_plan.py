@@ -35,6 +35,7 @@ from model import ConfigError
 from .config import RunConfig, load_config
 from .engine import build_ds_config, zero_stage
 from .memory_model import Dims, Params, count_params, state_bytes
+from .memory_recompute import kept_bytes
 from .memory_window import window_memory
 
 GIB = 2 ** 30
@@ -110,7 +111,8 @@ def _window(setup: Setup, depth: int, mem_len: int, seg_ckpt: bool, layer_ckpt: 
         mc = dataclasses.replace(c.model, tgt_len=seg_len, mem_len=mem_len,
                                  checkpoint_layers=layer_ckpt)
         dims = Dims(mc, setup.rows, mem_len, c.deepspeed.precision, "cuda")
-        w = window_memory(dims, setup.params, n_seg, seg_ckpt)
+        w = window_memory(dims, setup.params, n_seg, seg_ckpt, b.recompute,
+                          b.keep_last_segments)
         carried = 0.0 if setup.episodes else state_bytes(dims) * (
             depth + 1 if b.mode == "sliding" else 1)
         if best is None or carried + w.peak > best[0] + best[1].peak:
@@ -175,19 +177,14 @@ def setup_for(cfg: RunConfig, gpu_mib: float, nodes: int, per_node: int,
 
 
 def recompute_notes(cfg: RunConfig) -> list[str]:
-    """What the activation model leaves out: it counts checkpointed segments as keeping only
-    their inputs (bptt.recompute 'full') and every segment of a window as checkpointed."""
+    """What a selective recompute policy keeps on a GPU (train/memory_recompute.py)."""
     b, notes = cfg.bptt, []
     if b.checkpoint_segments and b.recompute != "full":
-        notes.append(f"bptt.recompute {b.recompute}: the window figures are for full "
-                     f"recompute; {b.recompute} also keeps op outputs in every checkpointed "
-                     "segment (not modelled here; measured: BENCHMARKS.md, \"Selective "
-                     "recompute for BPTT windows\"), so its peak is higher and grows with the "
-                     "depth")
-    if b.checkpoint_segments and b.keep_last_segments > 1:
-        notes.append(f"bptt.keep_last_segments {b.keep_last_segments}: the window figures are "
-                     "for checkpointed segments; each segment kept whole after the first adds "
-                     "about one segment's activations (not modelled here; 1 costs nothing)")
+        notes.append(f"bptt.recompute {b.recompute}: each checkpointed segment also keeps "
+                     "the op outputs the policy names (counted below)"
+                     + ("; on CUDA dropout is a fused kernel whose masks are drawn again, "
+                        "so save-masks keeps (and saves) nothing there"
+                        if "masks" in b.recompute else ""))
     return notes
 
 
@@ -241,6 +238,10 @@ def report(setup: Setup, gpu: str, nodes: int, per_node: int) -> tuple[str, bool
         lines.append(f"      {'one segment: ' + CATEGORIES[cat]:<66}{_gib(v)}")
     lines.append(f"      {'softmax head backward (log-prob and [V, d] weight gradients)':<66}"
                  f"{_gib(w.head_transient)}")
+    if seg and b.recompute != "full":
+        kept = kept_bytes(Dims(m, setup.rows, mem, c.deepspeed.precision, "cuda"), b.recompute)
+        lines.append(f"      {'kept by each checkpointed segment (bptt.recompute)':<66}"
+                     f"{_gib(kept)}")
     lines.append(f"  {'safety margin for CUDA context, NCCL, fragmentation (--margin-gb)':<70}"
                  f"{_gib(setup.margin)}")
     total = sum(v for _, v in setup.static) + carried + w.peak + setup.margin

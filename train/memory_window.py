@@ -26,6 +26,7 @@ from .memory_model import (
     state_bytes,
     tied_bytes,
 )
+from .memory_recompute import kept_bytes
 
 
 @dataclass
@@ -47,8 +48,13 @@ def _checkpointed(layer: list[Block], kept_in: float, dup: float) -> list[Block]
     return [Block("layer input", saved=kept_in), *layer]
 
 
-def window_memory(dm: Dims, p: Params, n_segments: int, checkpoint_segments: bool) -> WindowMemory:
+def window_memory(dm: Dims, p: Params, n_segments: int, checkpoint_segments: bool,
+                  recompute: str = "full", keep_last: int = 0) -> WindowMemory:
+    """Peak of one window of n_segments. With checkpoint_segments every segment but the last
+    `keep_last` is checkpointed and keeps, besides its inputs and outputs, what `recompute`
+    says (memory_recompute.py); the last `keep_last` run as in a plain window."""
     c = dm.cfg
+    n_ckpt = max(0, n_segments - keep_last) if checkpoint_segments else 0
     seg_blocks = []
     for first in (True, False)[:n_segments]:
         # With segment checkpointing the previous states are alive anyway (counted below).
@@ -82,16 +88,23 @@ def window_memory(dm: Dims, p: Params, n_segments: int, checkpoint_segments: boo
     outputs = dm.rows * c.tgt_len * 5 + 5056                 # nll, mask, the CPU RNG state
     held = [sum(blk.held for blk in seg) for seg in seg_blocks]
     saved = held[0] + (n_segments - 1) * held[-1]
+    n_plain = n_segments - n_ckpt
+    kept = kept_bytes(dm, recompute) if n_ckpt else 0.0
+    if n_ckpt == 0:
+        live = saved + new_state
+    else:   # checkpointed segments keep their state, outputs and kept results; then plain
+        live = n_ckpt * (state + outputs + kept) + n_plain * held[-1] + \
+            (new_state if n_plain else 0.0)
     multi, buffers = n_segments > 1, 0.0
-    live = n_segments * (state + outputs) if checkpoint_segments else saved + new_state
     peak = live
-    # Backward, last segment first. From the second one on every parameter's buffer exists
-    # and less is alive, so the later segments cannot peak higher: two are simulated.
-    for seg in [last] * min(n_segments, 2):
-        if checkpoint_segments:   # recompute the whole segment, keep it until its backward
-            live += sum(blk.held for blk in seg)
+    # Backward, last segment first: the plain ones, then the checkpointed ones. From the
+    # second of a kind on every parameter's buffer exists and less is alive, so the later
+    # segments cannot peak higher: two of each kind are simulated.
+    for recomputed in [False] * min(n_plain, 2) + [True] * min(n_ckpt, 2):
+        if recomputed:   # re-run the whole segment (its kept results are part of it)
+            live += sum(blk.held for blk in last) - kept
             peak = max(peak, live + buffers)
-        for blk in reversed(seg):
+        for blk in reversed(last):
             live += blk.recompute
             peak = max(peak, live + buffers + blk.transient)
             live -= blk.saved

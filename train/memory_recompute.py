@@ -1,0 +1,133 @@
+"""What a checkpointed segment keeps under a selective `bptt.recompute` policy (for
+`memtrain plan`), counted from the code like memory_model.py.
+
+model/recompute.py keeps, per checkpointed segment and until that segment's backward, the
+outputs of the ops its policy matches, and with save-masks dropout's draws as bits:
+- ffn-out: W2's output (the matmul whose reduction size is d_inner), [B, rows, d] per layer
+  in the forward's order (`:N`: the first N layers);
+- linear: every other mm / addmm output too: q_net, kv_net, r_net (once per call, no batch
+  dim), o_net, W1, the adaptive embedding's projections, the softmax head's logits (the
+  head cluster over every row, each tail cluster over its Zipf share of the rows);
+- attention: the attention matmuls: the content scores [B·H, Q, K], the positional scores
+  [B·H, Q, D] and P·V [B·H, Q, dh] (bmm, the one-pass and plain paths), or, where a GPU takes
+  SDPA's memory-efficient kernel (XL, RMT), its output (head padded) and fp32 log-sum-exp
+  besides the positional matmul;
+- masks: one bit per element of every dropout on the CPU (aten.bernoulli_, packed 8 per
+  byte). On CUDA dropout is the fused `native_dropout`, which model/recompute.py does not
+  replay: it keeps nothing there (and saves no time).
+Rows as in memory_model.py: a full memory; XL Q = L, K = M + L; RMT Q = 2m + L,
+K = M + Q, D = Q + K − 1; LaMemo's causal branch (Q = L, K = M + L) and, below the top
+layer, the look-ahead (M queries, min(M, L) keys, M distances) with W_o and the FFN over
+M + L rows; its top layer's look-ahead runs without a graph but its ops are still matched.
+Validated on the CPU by benchmarks/bench_memory_plan.py (the rows with a policy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from model.attention_kernels import sdpa_head_pad
+from model.recompute import parse_policy
+
+from .memory_model import Dims, head_cluster_rows
+
+
+@dataclass
+class SegmentOps:
+    """Output bytes of one segment's matmuls by kind, and its dropout draws (elements)."""
+
+    ffn_out: list[float] = field(default_factory=list)   # per layer, forward order
+    linear: float = 0.0
+    attention: float = 0.0
+    draws: float = 0.0
+
+
+def _attention(ops: SegmentOps, dm: Dims, q: int, k: int, dist: int, need_lse: bool) -> None:
+    c = dm.cfg
+    b, h, dh, s = dm.rows, c.n_head, c.d_head, dm.s
+    ops.linear += b * q * h * dh * s + dist * h * dh * s      # q_net, r_net
+    ops.attention += b * h * q * dist * s                      # positional scores (bmm)
+    if c.attn_impl == "fused" and not need_lse and dm.kernel == "cuda":
+        dhp = dh + sdpa_head_pad(dh, "cuda")
+        ops.attention += b * h * q * dhp * s + b * h * (-(-q // 32) * 32) * 4
+    else:
+        ops.attention += b * h * q * k * s + b * h * q * dh * s  # content scores, P·V
+    if c.dropatt > 0:
+        ops.draws += b * h * q * k
+
+
+def _output_ffn(ops: SegmentOps, dm: Dims, rows: int) -> None:
+    """o_net, its dropout, W1 (+ dropout), W2 (+ dropout) over `rows` rows."""
+    c = dm.cfg
+    b, d, s = dm.rows, c.d_model, dm.s
+    ops.linear += b * rows * d * s + b * rows * c.d_inner * s
+    ops.ffn_out.append(b * rows * d * s)
+    ops.draws += b * rows * (2 * d + c.d_inner)
+
+
+def _head(ops: SegmentOps, dm: Dims, n_rows: int) -> None:
+    """Logits (and projections) of the (adaptive) softmax over n_rows targets."""
+    c = dm.cfg
+    s, d = dm.s, c.d_model
+    if not c.cutoffs:
+        ops.linear += n_rows * c.vocab_size * s
+        return
+    ends = [0, *c.cutoffs, c.vocab_size]
+    dims = [d // c.div_val ** i for i in range(len(ends) - 1)]
+    projected = c.div_val > 1
+    frac = head_cluster_rows(c)
+    for i in range(len(ends) - 1):
+        rows = n_rows if i == 0 else n_rows * frac[i]
+        width = ends[1] + len(ends) - 2 if i == 0 else ends[i + 1] - ends[i]
+        ops.linear += rows * width * s + (rows * dims[i] * s if projected else 0)
+
+
+def segment_ops(dm: Dims) -> SegmentOps:
+    """The matmul outputs and dropout draws of one training segment with a full memory."""
+    c = dm.cfg
+    b, n, d, m, s = dm.rows, c.tgt_len, c.d_model, dm.mem_len, dm.s
+    ops = SegmentOps()
+    n_clusters = len(c.cutoffs) + 1
+    if c.div_val > 1:                      # adaptive input: every row, every cluster
+        ops.linear += n_clusters * b * n * d * s
+    ops.draws += b * n * d                 # Dropout(embedding)
+    if c.mechanism == "lamemo" and c.lamemo.look_ahead:
+        k = m + n
+        ops.draws += (2 * m + n) * d       # Dropout(R): causal and look-ahead distances
+        for i in range(c.n_layer):
+            ops.linear += b * k * 2 * c.n_head * c.d_head * s              # kv_net
+            _attention(ops, dm, n, k, k, need_lse=True)                     # causal
+            _attention(ops, dm, m, min(m, n), m, need_lse=True)             # look-ahead
+            _output_ffn(ops, dm, n if i == c.n_layer - 1 else k)
+        ops.draws += b * n * d             # final dropout
+        _head(ops, dm, b * n)
+        return ops
+    q = n + (2 * c.rmt.num_mem_tokens if c.mechanism == "rmt" else 0)
+    k = m + q
+    dist = q + k - 1 if c.mechanism == "rmt" else k
+    ops.draws += dist * d
+    for _ in range(c.n_layer):
+        ops.linear += b * k * 2 * c.n_head * c.d_head * s                  # kv_net
+        _attention(ops, dm, q, k, dist, need_lse=False)
+        _output_ffn(ops, dm, q)
+    ops.draws += b * q * d                 # final dropout
+    _head(ops, dm, b * n)
+    if c.mechanism == "rmt" and c.rmt.mem_loss_weight > 0:
+        _head(ops, dm, b * c.rmt.num_mem_tokens)
+    return ops
+
+
+def kept_bytes(dm: Dims, policy: str) -> float:
+    """Bytes one checkpointed segment keeps until its backward under `policy`."""
+    name, limit = parse_policy(policy)
+    if name == "full":
+        return 0.0
+    ops = segment_ops(dm)
+    kept = ops.draws / 8 if "masks" in name and dm.kernel == "cpu" else 0.0
+    if name.endswith("ffn-out"):
+        kept += sum(ops.ffn_out[:limit])
+    elif name.endswith("linear") or name.endswith("matmul"):
+        kept += sum(ops.ffn_out) + ops.linear
+        if name.endswith("matmul"):
+            kept += ops.attention
+    return kept
