@@ -126,7 +126,7 @@ def test_the_plan_prints_what_each_checkpointed_segment_keeps(capsys):
     full = capsys.readouterr().out
     assert main_plan([*argv, "bptt.recompute=save-linear"]) == 0
     linear = capsys.readouterr().out
-    assert "kept by each checkpointed segment (bptt.recompute)" in linear
+    assert "kept by each checkpointed segment (bptt.recompute): " in linear
     assert "kept by each checkpointed segment" not in full
 
     def deepest(text):   # the depth search runs with the configured policy

@@ -240,8 +240,8 @@ def report(setup: Setup, gpu: str, nodes: int, per_node: int) -> tuple[str, bool
                  f"{_gib(w.head_transient)}")
     if seg and b.recompute != "full":
         kept = kept_bytes(Dims(m, setup.rows, mem, c.deepspeed.precision, "cuda"), b.recompute)
-        lines.append(f"      {'kept by each checkpointed segment (bptt.recompute)':<66}"
-                     f"{_gib(kept)}")
+        label = f"kept by each checkpointed segment (bptt.recompute): {kept / 2**20:.1f} MiB"
+        lines.append(f"      {label:<66}{_gib(kept)}")
     lines.append(f"  {'safety margin for CUDA context, NCCL, fragmentation (--margin-gb)':<70}"
                  f"{_gib(setup.margin)}")
     total = sum(v for _, v in setup.static) + carried + w.peak + setup.margin
