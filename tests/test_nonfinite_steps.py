@@ -151,3 +151,29 @@ def test_fp32_still_stops_at_the_first_non_finite_loss():
 def test_max_nonfinite_steps_must_be_positive():
     with pytest.raises(ConfigError, match="optim.max_nonfinite_steps"):
         make_loop(limit=0)
+
+
+def test_gradients_overflowing_at_deepspeeds_minimum_loss_scale_stop_with_a_clear_error():
+    """A finite loss whose gradients overflow fp16: DeepSpeed's own scaler (the real class,
+    at its minimum scale) raises a bare Exception from engine.step(); the loop names it."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    scaler = DynamicLossScaler(init_scale=1, scale_window=1000, min_scale=1, delayed_shift=1,
+                               consecutive_hysteresis=False)
+    loop = make_loop()
+    loop.engine.step = lambda: scaler.update_scale(overflow=True)
+    with pytest.raises(NonFiniteLoss, match=r"fp16 gradients overflowed at DeepSpeed's "
+                       r"minimum loss scale at step 1 .*min_loss_scale.*last checkpoint is "
+                       r"intact") as caught:
+        loop._micro_step(batches())
+    assert "loss scale already at minimum" in str(caught.value.__cause__)
+
+
+def test_other_errors_of_the_engine_step_pass_through_unchanged():
+    loop = make_loop()
+
+    def broken():
+        raise RuntimeError("NCCL timeout")
+    loop.engine.step = broken
+    with pytest.raises(RuntimeError, match="NCCL timeout"):
+        loop._micro_step(batches())

@@ -126,10 +126,26 @@ class TrainingLoop:
             # the device until the log line reads it (after the step, not before it).
             grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
             self.grad_norm = torch.nn.utils.get_total_norm(grads) if grads else None
-        self.engine.step()
+        self._engine_step(step)
         self.state.memory = (self.state.plan.after_nonfinite() if bad else
                              self.state.plan.after_step(window, res))
         return nll, n, bool(stop), int(new)
+
+    def _engine_step(self, step: int) -> None:
+        """engine.step(); DeepSpeed's fp16 loss scaler raises a bare Exception when gradients
+        overflow at its minimum scale (a finite loss whose gradients do not fit fp16, which
+        the loss check above cannot see): named here, with what to change."""
+        try:
+            self.engine.step()
+        except Exception as err:
+            if "loss scale already at minimum" not in str(err):
+                raise
+            raise NonFiniteLoss(
+                f"fp16 gradients overflowed at DeepSpeed's minimum loss scale at step {step} "
+                "(min_loss_scale in the DeepSpeed config's fp16 section, default 1): the update "
+                "was skipped, so the last checkpoint is intact. Lower optim.lr, check the "
+                "data, or train "
+                "in bf16 (A100) or fp32") from err
 
     def _read_flags(self) -> tuple[float, float, float, float, float]:
         """THE host sync of a training step (issue 14): one all-reduce of [nll sum, counted
