@@ -211,13 +211,16 @@ def iter_shard_members(url: str, offset: int = 0) -> Iterator[dict]:
     if path is not None and not path.exists():
         raise ShardError(f"missing shard {url}: the manifest lists it but the file is not there "
                          "(copy it back or run `memtrain prepare` again)")
-    if offset:
-        if path is None:
-            raise ValueError(f"{url}: only a local shard can be read from an offset")
+    if offset and path is None:
+        raise ValueError(f"{url}: only a local shard can be read from an offset")
+    if path is not None:
+        # webdataset's tar iterator and grouping over a file we own: a reader that stops
+        # early (a row seeking its start) closes it below; wds.WebDataset would leave its
+        # stream to the garbage collector.
         samples = _groups_from(path, offset, url)
     else:
-        samples = wds.WebDataset([url], shardshuffle=False, nodesplitter=_identity,
-                                 workersplitter=_identity, empty_check=False)
+        samples = iter(wds.WebDataset([url], shardshuffle=False, nodesplitter=_identity,
+                                      workersplitter=_identity, empty_check=False))
     try:
         for sample in samples:
             missing = [m for m in ("meta.json", "tokens.npy") if m not in sample]
@@ -232,6 +235,8 @@ def iter_shard_members(url: str, offset: int = 0) -> Iterator[dict]:
         where = f" from byte {offset} (the manifest's chunk offset)" if offset else ""
         raise ShardError(f"cannot read shard {url}{where}: {type(err).__name__}: {err} "
                          "(truncated or corrupted; run `memtrain prepare` again)") from err
+    finally:
+        samples.close()
 
 
 _WARNED_NO_OFFSETS: set[str] = set()

@@ -148,6 +148,30 @@ def test_an_old_manifest_without_offsets_reads_linearly_and_warns_once(tmp_path,
         read_segment(m, start, counter=tar_bytes_read)
 
 
+@pytest.mark.parametrize("offset", [0, 1])
+def test_a_reader_that_stops_early_closes_its_shard_file(tmp_path, offset, monkeypatch):
+    """Not left to the garbage collector: every file opened for the shard is closed as soon
+    as the member iterator is closed (what a row reader's generator does once it has its
+    tokens)."""
+    from data_pipeline.shards import iter_shard_members
+    m = make_corpus(tmp_path)
+    shard = m.split("train").shards[0]
+    url = str(tmp_path / shard.path)
+    opened, real_open = [], builtins.open
+
+    def tracking_open(file, *args, **kwargs):
+        f = real_open(file, *args, **kwargs)
+        if str(file) == url:
+            opened.append(f)
+        return f
+    monkeypatch.setattr(builtins, "open", tracking_open)
+    members = iter_shard_members(url, shard.chunk_offsets[offset] if offset else 0)
+    assert "tokens.npy" in next(members)
+    assert opened and not any(f.closed for f in opened)
+    members.close()
+    assert all(f.closed for f in opened)
+
+
 # ----------------------------------------------------------------------------- same data
 def test_every_start_reads_the_same_tokens_with_and_without_offsets(tmp_path):
     m = make_corpus(tmp_path, n_chunks=11, chunk=16, per_shard=4)
