@@ -149,14 +149,14 @@ def stream():
 
 def make_loop(mechanism: str, *, steps: int, log_every: int, grad_accum: int = 1,
               mode: str = "window", depth: int = 1, precision: str = "fp32",
-              cutoffs=CUTOFFS, div_val: int = 2):
+              cutoffs=CUTOFFS, div_val: int = 2, **bptt):
     model = {"mechanism": mechanism, "vocab_size": V, "n_layer": 2, "d_model": 16,
              "n_head": 2, "d_inner": 32, "tgt_len": L, "mem_len": L, "dropout": 0.1,
              "cutoffs": list(cutoffs), "div_val": div_val}
     if mechanism == "rmt":
         model["rmt"] = {"num_mem_tokens": 2, "mem_loss_weight": 0.01, "mem_loss_token": 1}
     cfg = from_dict({"model": model, "data": {"path": "unused", "global_batch": B},
-                     "bptt": {"mode": mode, "depth": depth},
+                     "bptt": {"mode": mode, "depth": depth, **bptt},
                      "deepspeed": {"precision": precision, "grad_accum": grad_accum},
                      "log_every": log_every, "max_steps": steps})
     torch.manual_seed(0)
@@ -193,6 +193,28 @@ def test_one_sync_per_optimizer_step_outside_logging_steps(mechanism, mode):
     # The sync of a logging step's log block is counted with the next step (after step()).
     quiet = [n for s, n in enumerate(per_step, 1) if s == 1 or (s - 1) % LOG_EVERY]
     assert quiet == [1] * len(quiet), (per_step, dict(COUNTS))
+
+
+@pytest.mark.parametrize("mechanism,recompute", [("rmt", "full"),
+                                                  ("rmt", "save-masks+ffn-out:1"),
+                                                  ("lamemo", "save-masks+matmul"),
+                                                  ("xl", "save-linear")])
+def test_checkpointed_windows_with_any_recompute_policy_add_no_sync(mechanism, recompute,
+                                                                    monkeypatch):
+    """Segment checkpointing and the selective policies (model/recompute.py) in the real
+    loop: still one read per optimizer step. save-masks packs its bits with the device-side
+    ops a GPU uses (on the CPU it reads numpy, which has no device to wait for)."""
+    import model.recompute as recompute_mod
+
+    def unpack_on_device(target, packed):
+        bits = recompute_mod._unpack_on_device(packed, target.numel())
+        return target.copy_(bits.view(target.shape))
+    monkeypatch.setattr(recompute_mod, "_pack", recompute_mod._pack_on_device)
+    monkeypatch.setattr(recompute_mod, "_unpack_into", unpack_on_device)
+    loop = make_loop(mechanism, steps=4, log_every=100, depth=2, checkpoint_segments=True,
+                     recompute=recompute, keep_last_segments=1)
+    assert syncs_per_step(loop) == [1, 1, 1, 1], dict(COUNTS)
+    assert not HOST_READS.get("torch.float32")
 
 
 @pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt"])
