@@ -175,6 +175,14 @@ def initialize(model: torch.nn.Module, cfg: RunConfig, ds_config: dict):
 
     if cfg.model.compile:
         compile_core(model)  # before DeepSpeed wraps it; names and state_dict unchanged
+        if zero_stage(ds_config) == 3:
+            # ZeRO-3 gathers a module's parameters in a hook on that module; inside the
+            # compiled stack each hook breaks the graph (31 graphs instead of 2 for the
+            # quickstart model). As a leaf the stack is gathered once, outside the compiled
+            # region: its parameters are whole during its forward and backward (`memtrain
+            # plan` counts them), the embedding and softmax stay partitioned.
+            from deepspeed.utils import set_z3_leaf_modules
+            set_z3_leaf_modules(model, [type(model.core)])
     optimizer = build_optimizer(model, cfg)
     schedule = LRSchedule(optimizer, cfg)
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
