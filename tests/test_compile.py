@@ -168,23 +168,23 @@ def test_memtrain_train_compiled_matches_eager_and_resumes_exactly(tmp_path):
     assert graphs[3] == 3 and graphs[6] == 1
 
 
-def test_compiled_zero3_keeps_whole_graphs_and_the_eager_losses(tmp_path):
-    # ZeRO-3 gathers each module's parameters in a hook on that module; inside the compiled
-    # decoder stack every such hook was a graph break (31 graphs for the quickstart model
-    # instead of 2). With the stack a ZeRO-3 leaf its parameters are gathered once, outside
-    # the compiled region: one graph per memory length again, the eager losses unchanged.
-    sections = dict(max_steps=4, deepspeed={"zero_stage": 3},
+def test_compiled_zero3_trains_bptt_windows_with_the_eager_losses_and_warns(tmp_path):
+    # ZeRO-3 gathers each module's parameters in hooks on that module, which break the
+    # compiled graph at every module (the run says so). What must hold: a BPTT window (every
+    # parameter used in 3 segments of one backward) trains exactly as eager. Making the
+    # decoder stack a ZeRO-3 leaf (gathered once, 2 graphs) failed here: DeepSpeed's
+    # gradient bucket met the same parameter twice.
+    sections = dict(max_steps=3, deepspeed={"zero_stage": 3}, bptt={"depth": 2},
                     eval={"max_segments": 2, "every": 0})
     run_train(tiny_config(tmp_path, "eager", model={"mem_len": 16}, **sections),
               launcher="single")
-    run_train(tiny_config(tmp_path, "compiled", model={"mem_len": 16, "compile": True},
-                          **sections), launcher="single")
+    done = run_train(tiny_config(tmp_path, "compiled", model={"mem_len": 16, "compile": True},
+                                 **sections), launcher="single")
+    assert "model.compile under ZeRO-3" in done.stderr
     eager = step_losses(tmp_path / "runs" / "eager")
     compiled = step_losses(tmp_path / "runs" / "compiled")
-    assert [compiled[s] for s in range(1, 5)] == pytest.approx(
-        [eager[s] for s in range(1, 5)], rel=1e-5, abs=1e-6)
-    graphs = step_losses(tmp_path / "runs" / "compiled", "compiled_graphs")
-    assert graphs[4] == 3   # memory lengths 0, 8 and 16, as at ZeRO-2
+    assert [compiled[s] for s in range(1, 4)] == pytest.approx(
+        [eager[s] for s in range(1, 4)], rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt"])

@@ -11,8 +11,10 @@ from __future__ import annotations
 import copy
 import json
 import math
+import warnings
 
 import torch
+import torch.distributed as dist
 
 from data_pipeline.streams import rows_of_rank
 from model.compiled import compile_core
@@ -175,14 +177,13 @@ def initialize(model: torch.nn.Module, cfg: RunConfig, ds_config: dict):
 
     if cfg.model.compile:
         compile_core(model)  # before DeepSpeed wraps it; names and state_dict unchanged
-        if zero_stage(ds_config) == 3:
-            # ZeRO-3 gathers a module's parameters in a hook on that module; inside the
-            # compiled stack each hook breaks the graph (31 graphs instead of 2 for the
-            # quickstart model). As a leaf the stack is gathered once, outside the compiled
-            # region: its parameters are whole during its forward and backward (`memtrain
-            # plan` counts them), the embedding and softmax stay partitioned.
-            from deepspeed.utils import set_z3_leaf_modules
-            set_z3_leaf_modules(model, [type(model.core)])
+        first_rank = not dist.is_initialized() or dist.get_rank() == 0
+        if zero_stage(ds_config) == 3 and first_rank:
+            warnings.warn(
+                "model.compile under ZeRO-3: DeepSpeed gathers each module's parameters in "
+                "hooks on that module, and every hook breaks the compiled graph (the "
+                "quickstart model: 31 graphs instead of 2), so expect no speed-up; the "
+                "losses are eager's. ZeRO-1/2 keep whole graphs", stacklevel=2)
     optimizer = build_optimizer(model, cfg)
     schedule = LRSchedule(optimizer, cfg)
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,

@@ -102,8 +102,6 @@ class Params:
     ff: int                      # one layer's FFN
     other: int                   # u, v (v-), RMT initial memory and memory LayerNorm
     largest_module: int          # the largest single tensor (ZeRO-3 gathers it whole)
-    core: int = 0                # the decoder stack (`model.core`: what a compiled ZeRO-3
-                                 # run gathers at once, train/engine.py)
 
 
 def count_params(cfg: ModelConfig) -> Params:
@@ -118,7 +116,7 @@ def count_params(cfg: ModelConfig) -> Params:
     attn, ff = n(layer.attn.parameters()), n(layer.ff.parameters())
     other = total - emb - head_only - cfg.n_layer * (attn + ff)
     return Params(total, emb, head_only, attn, ff, other,
-                  max(p.numel() for p in model.parameters()), n(model.core.parameters()))
+                  max(p.numel() for p in model.parameters()))
 
 
 def head_cluster_rows(cfg: ModelConfig) -> list[float]:

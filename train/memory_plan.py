@@ -67,11 +67,10 @@ def model_states(psi: int, stage: int, precision: str, n_d: int) -> list[tuple[s
             (f"{opt} ({opt_b} B/param{', /N_d' if stage >= 1 else ''})", part(opt_b, 1))]
 
 
-def zero_buffers(ds: dict, precision: str, params: Params, compiled: bool = False) -> float:
+def zero_buffers(ds: dict, precision: str, params: Params) -> float:
     """DeepSpeed's communication buffers, allocated whole (deepspeed/runtime/zero): the
     gradient reduce bucket (twice with overlap_comm), and at stage 3 the prefetch bucket
-    plus the largest tensor gathered whole; with `model.compile` the whole decoder stack,
-    which a compiled run gathers at once (a ZeRO-3 leaf, train/engine.py)."""
+    plus the largest tensor gathered whole."""
     stage, z = zero_stage(ds), ds.get("zero_optimization", {})
     if stage == 0:
         return 0.0
@@ -82,8 +81,7 @@ def zero_buffers(ds: dict, precision: str, params: Params, compiled: bool = Fals
     overlap = z.get("overlap_comm", stage == 3)
     total = reduce * (2 if overlap else 1)
     if stage == 3:
-        gathered = max(params.largest_module, params.core if compiled else 0)
-        total += (float(z.get("stage3_prefetch_bucket_size", 5e7)) + gathered) * s
+        total += (float(z.get("stage3_prefetch_bucket_size", 5e7)) + params.largest_module) * s
     return total
 
 
@@ -157,12 +155,8 @@ def setup_for(cfg: RunConfig, gpu_mib: float, nodes: int, per_node: int,
     stage, prec = zero_stage(ds), cfg.deepspeed.precision
     static = [(f"model states, ZeRO-{stage}: {label}", v)
               for label, v in model_states(params.total, stage, prec, world)]
-    extra = ""
-    if stage == 3:
-        extra = ", prefetch, " + ("gathered decoder stack" if cfg.model.compile
-                                  else "gathered tensor")
-    static.append((f"ZeRO-{stage} buffers (reduce bucket{extra})",
-                   zero_buffers(ds, prec, params, cfg.model.compile)))
+    extra = ", prefetch, gathered tensor" if stage == 3 else ""
+    static.append((f"ZeRO-{stage} buffers (reduce bucket{extra})", zero_buffers(ds, prec, params)))
     episodes = None
     try:
         m = load_manifest(cfg.data.path)
