@@ -6,6 +6,7 @@ loss reached segment j through RMT's memory. Prints one JSON line per case from 
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -48,3 +49,8 @@ for name, cut, ckpt in (("full", set(), False), ("full_ckpt", set(), True),
                           "n_full": n_full}), flush=True)
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()  # an exit with gloo still up can abort a rank
+# Even so, under load a rank aborted once at interpreter exit ("terminate called without an
+# active exception", SIGABRT from a C++ thread's destructor; no Python thread was left) after
+# printing every result: the results are out, so leave without the interpreter's teardown.
+sys.stdout.flush()
+os._exit(0)
