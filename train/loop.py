@@ -144,8 +144,7 @@ class TrainingLoop:
                 f"fp16 gradients overflowed at DeepSpeed's minimum loss scale at step {step} "
                 "(min_loss_scale in the DeepSpeed config's fp16 section, default 1): the update "
                 "was skipped, so the last checkpoint is intact. Lower optim.lr, check the "
-                "data, or train "
-                "in bf16 (A100) or fp32") from err
+                "data, or train in bf16 (A100) or fp32") from err
 
     def _read_flags(self) -> tuple[float, float, float, float, float]:
         """THE host sync of a training step (issue 14): one all-reduce of [nll sum, counted
