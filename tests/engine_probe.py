@@ -49,8 +49,11 @@ for name, cut, ckpt in (("full", set(), False), ("full_ckpt", set(), True),
                           "n_full": n_full}), flush=True)
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()  # an exit with gloo still up can abort a rank
-# Even so, under load a rank aborted once at interpreter exit ("terminate called without an
-# active exception", SIGABRT from a C++ thread's destructor; no Python thread was left) after
-# printing every result: the results are out, so leave without the interpreter's teardown.
+# Even so, under load ~1 run in 8 aborted at interpreter exit ("terminate called without an
+# active exception"). A core dump shows why: DeepSpeed keeps the gloo group alive (its worker
+# threads survive destroy_process_group), and a worker was destroying the barrier's work, which
+# held the preceding allgather's tensors; their Python decref waited for the GIL while the
+# interpreter finalized, and the thread's forced exit hit a noexcept frame. The results are
+# out: leave without the interpreter's teardown.
 sys.stdout.flush()
 os._exit(0)
