@@ -207,47 +207,58 @@ class _Reuse(TorchDispatchMode):
         return self._next(self.store.outputs[func], func, _shapes(args))
 
 
-# name -> (ops whose outputs are kept, reduction size filter, keep dropout masks)
+@dataclass(frozen=True)
+class Policy:
+    """A parsed `bptt.recompute`: which op outputs a checkpointed segment keeps (None,
+    "ffn-out", "linear" or "matmul"), whether dropout's draws, and in how many layers
+    (`limit`, ffn-out only). train/memory_recompute.py counts their bytes from this."""
+
+    outputs: str | None = None
+    masks: bool = False
+    limit: int | None = None
+
+
+# name -> (outputs kept, keep dropout masks)
 _POLICIES = {
-    "save-masks": ((), None, True),
-    "save-ffn-out": (_LINEAR, "d_inner", False),
-    "save-masks+ffn-out": (_LINEAR, "d_inner", True),
-    "save-linear": (_LINEAR, None, False),
-    "save-masks+linear": (_LINEAR, None, True),
-    "save-matmul": (_LINEAR + _ATTENTION, None, False),
-    "save-masks+matmul": (_LINEAR + _ATTENTION, None, True),
+    "full": (None, False),
+    "save-masks": (None, True),
+    "save-ffn-out": ("ffn-out", False),
+    "save-masks+ffn-out": ("ffn-out", True),
+    "save-linear": ("linear", False),
+    "save-masks+linear": ("linear", True),
+    "save-matmul": ("matmul", False),
+    "save-masks+matmul": ("matmul", True),
 }
-RECOMPUTE_POLICIES = ("full", *_POLICIES)
+_OPS = {"ffn-out": _LINEAR, "linear": _LINEAR, "matmul": _LINEAR + _ATTENTION}
+RECOMPUTE_POLICIES = tuple(_POLICIES)
 
 
-def parse_policy(policy: str) -> tuple[str, int | None]:
-    """"save-ffn-out:2" -> ("save-ffn-out", 2): keep W2's output in the first 2 layers of
-    each checkpointed segment only; a name without ":N" keeps it in every layer."""
+def parse_policy(policy: str) -> Policy:
+    """"save-ffn-out:2" -> Policy("ffn-out", False, 2): keep W2's output in the first 2
+    layers of each checkpointed segment only; a name without ":N" keeps it in every layer.
+    Raises ValueError naming the problem."""
     name, _, limit = policy.partition(":")
-    if name not in RECOMPUTE_POLICIES:
+    if name not in _POLICIES:
         raise ValueError(f"unknown recompute policy {name!r}; choose "
                          f"{', '.join(RECOMPUTE_POLICIES)}")
+    outputs, masks = _POLICIES[name]
     if not limit:
-        return name, None
-    if not name.endswith("ffn-out"):
+        return Policy(outputs, masks)
+    if outputs != "ffn-out":
         raise ValueError(f"{policy!r}: a layer count (':N') applies to the ffn-out policies "
                          "only")
     if not limit.isdigit() or int(limit) < 1:
         raise ValueError(f"{policy!r}: the layer count after ':' must be an integer >= 1")
-    return name, int(limit)
-
-
-def check_policy(policy: str) -> None:
-    parse_policy(policy)
+    return Policy(outputs, masks, int(limit))
 
 
 def context_fn(policy: str, d_inner: int) -> Callable | None:
     """The `context_fn` for torch.utils.checkpoint.checkpoint; None for full recompute."""
-    name, limit = parse_policy(policy)
-    if name == "full":
+    p = parse_policy(policy)
+    if p == Policy():
         return None
-    ops, reduction, masks = _POLICIES[name]
-    rule = _Rule(ops, d_inner if reduction == "d_inner" else None, masks, limit)
+    rule = _Rule(_OPS.get(p.outputs, ()), d_inner if p.outputs == "ffn-out" else None,
+                 p.masks, p.limit)
 
     def contexts():
         store = _Store()   # one per checkpointed call

@@ -22,7 +22,7 @@ import yaml
 # ConfigError is re-exported from here for the layers above (cluster/, the command lines),
 # which build on the run config and need not know where in model/ it is defined.
 from model import ModelConfig
-from model.recompute import check_policy
+from model.recompute import parse_policy
 from model.typed import ConfigError, build_dataclass
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -232,7 +232,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(b.mode in BPTT_MODES, "bptt.mode", f"unknown {b.mode!r}; choose "
            f"{' or '.join(BPTT_MODES)}")
     try:
-        check_policy(b.recompute)
+        parse_policy(b.recompute)
     except ValueError as err:
         raise ConfigError("bptt.recompute", str(err)) from None
     _check(b.keep_last_segments >= 0, "bptt.keep_last_segments",

@@ -119,15 +119,13 @@ def segment_ops(dm: Dims) -> SegmentOps:
 
 def kept_bytes(dm: Dims, policy: str) -> float:
     """Bytes one checkpointed segment keeps until its backward under `policy`."""
-    name, limit = parse_policy(policy)
-    if name == "full":
+    p = parse_policy(policy)
+    if p.outputs is None and not p.masks:
         return 0.0
     ops = segment_ops(dm)
-    kept = ops.draws / 8 if "masks" in name and dm.kernel == "cpu" else 0.0
-    if name.endswith("ffn-out"):
-        kept += sum(ops.ffn_out[:limit])
-    elif name.endswith("linear") or name.endswith("matmul"):
-        kept += sum(ops.ffn_out) + ops.linear
-        if name.endswith("matmul"):
-            kept += ops.attention
+    kept = ops.draws / 8 if p.masks and dm.kernel == "cpu" else 0.0
+    if p.outputs == "ffn-out":
+        kept += sum(ops.ffn_out[:p.limit])
+    elif p.outputs in ("linear", "matmul"):
+        kept += sum(ops.ffn_out) + ops.linear + (ops.attention if p.outputs == "matmul" else 0)
     return kept
