@@ -140,6 +140,21 @@ def _unpack_on_device(packed: torch.Tensor, n: int) -> torch.Tensor:
     return ((packed[:, None] >> shift) & 1).reshape(-1)[:n]
 
 
+def _draws(func, args, kwargs) -> bool:
+    """Whether this call draws random numbers: an op tagged as seeded, except an attention
+    kernel called with dropout_p 0 (SDPA's kernels are tagged whatever their dropout; the
+    WT103 configs have no attention dropout), which draws nothing and cannot shift the
+    sequence the masks come from."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == "dropout_p":
+            value = kwargs.get("dropout_p") if kwargs and "dropout_p" in kwargs else (
+                args[i] if i < len(args) else arg.default_value)
+            return value != 0
+    return True
+
+
 def _shapes(args) -> tuple:
     return tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))
 
@@ -154,7 +169,7 @@ class _Keep(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if torch.Tag.nondeterministic_seeded in func.tags and self.rule.masks:
+        if self.rule.masks and _draws(func, args, kwargs):
             if func == _BERNOULLI and not kwargs:
                 self.store.masks.append((tuple(out.shape), _pack(out)))
             elif not self.store.other_random:

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,13 @@ from torch.utils.checkpoint import checkpoint
 
 from data_pipeline.streams import SegmentBatch
 from model import ConfigError, ModelConfig, build_model
-from model.recompute import RECOMPUTE_POLICIES, _pack_on_device, _unpack_on_device, context_fn
+from model.recompute import (
+    RECOMPUTE_POLICIES,
+    _draws,
+    _pack_on_device,
+    _unpack_on_device,
+    context_fn,
+)
 from train.bptt import run_window
 from train.config import load_config
 
@@ -164,6 +171,45 @@ def test_save_masks_warns_and_stays_exact_when_the_forward_draws_other_random_nu
                          context_fn=context_fn("save-masks", d_inner=8))
     out.square().sum().backward()
     assert torch.equal(x.grad, plain)
+
+
+def _dropout_then_attention(x: torch.Tensor) -> torch.Tensor:
+    q = F.dropout(x, 0.3, training=True).view(2, 2, 4, 8)
+    return F.scaled_dot_product_attention(q, q, q, dropout_p=0.0)
+
+
+def test_save_masks_replays_the_draws_past_an_attention_kernel_without_dropout():
+    """SDPA's kernels are tagged as seeded whatever their dropout_p; with dropout_p 0 they
+    draw nothing, so the masks are still replayed: no warning, no bernoulli_ in the
+    recompute, the plain gradient."""
+    x = torch.randn(4, 4, 8, requires_grad=True)
+    torch.manual_seed(3)
+    _dropout_then_attention(x).square().sum().backward()
+    plain = x.grad.clone()
+    x.grad = None
+    torch.manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = checkpoint(_dropout_then_attention, x, use_reentrant=False,
+                         context_fn=context_fn("save-masks", d_inner=8))
+    count = _OpCount()
+    with count:
+        out.square().sum().backward()
+    assert torch.ops.aten.bernoulli_.float not in count.n
+    assert torch.equal(x.grad, plain)
+
+
+def test_an_op_draws_random_numbers_when_seeded_and_not_an_attention_kernel_at_dropout_0():
+    aten = torch.ops.aten
+    sdpa = aten._scaled_dot_product_flash_attention_for_cpu.default
+    q = torch.zeros(1, 1, 2, 4)
+    assert not _draws(sdpa, (q, q, q), {})                      # dropout_p defaults to 0
+    assert not _draws(sdpa, (q, q, q, 0.0), {})
+    assert _draws(sdpa, (q, q, q, 0.1), {})
+    assert _draws(sdpa, (q, q, q), {"dropout_p": 0.1})
+    assert _draws(aten.bernoulli_.float, (q, 0.5), {})
+    assert _draws(aten.native_dropout.default, (q, 0.5, True), {})
+    assert not _draws(aten.mm.default, (q[0, 0], q[0, 0].T), {})
 
 
 class _OpCount(TorchDispatchMode):
