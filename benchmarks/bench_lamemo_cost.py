@@ -3,6 +3,8 @@
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_lamemo_cost.py     # both shapes
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_lamemo_cost.py --shape wt103 --batch 2
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_lamemo_cost.py --profile   # + top ops
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_lamemo_cost.py --shape wt103 --batch 2 \
+        --softmax full      # one 267,735-way softmax: the paper's FLOPs accounting
     python benchmarks/bench_lamemo_cost.py --kernels     # one attention call per kernel
 
 OMP_WAIT_POLICY=PASSIVE: on a shared machine an OpenMP thread whose partner is descheduled
@@ -54,6 +56,15 @@ SHAPES = {
 DEFAULT_BATCH = {"wt103": 4, "small": 8}
 
 
+def shape_config(shape: str, softmax: str) -> dict:
+    """SHAPES[shape]; softmax "full": one softmax over the whole vocabulary, no clusters
+    (what LaMemo Table 1's FLOPs per prediction count, XL's 157M included)."""
+    cfg = dict(SHAPES[shape])
+    if softmax == "full":
+        cfg.update(cutoffs=[], tie_projs=[])
+    return cfg
+
+
 def make_tokens(shape: str, vocab: int, batch: int, length: int, kind: str,
                 gen: torch.Generator) -> torch.Tensor:
     if shape == "wt103" and kind == "zipf":
@@ -74,7 +85,7 @@ class Runner:
     def __init__(self, shape: str, mechanism: str, kernel: str, args, batch: int):
         torch.manual_seed(0)
         cfg = ModelConfig(mechanism=mechanism, dropout=args.dropout, dropatt=0.0,
-                          **SHAPES[shape])
+                          **shape_config(shape, args.softmax))
         self.model = build_model(cfg).train()
         for layer in self.model.core.layers:
             layer.attn.impl = kernel
@@ -111,14 +122,16 @@ RATIOS = {"before": ("lamemo-before", "xl-before"), "after": ("lamemo-after", "x
 
 def measure(shape: str, args) -> dict:
     batch = args.batch or DEFAULT_BATCH[shape]
-    runners = {name: Runner(shape, mech, kernel, args, batch) for name, mech, kernel in VARIANTS}
+    # With --softmax full only today's kernels run: a step is seconds, not the kernels' story.
+    variants = VARIANTS if args.softmax == "adaptive" else VARIANTS[2:]
+    runners = {name: Runner(shape, mech, kernel, args, batch) for name, mech, kernel in variants}
     for r in runners.values():  # warm-up: the memory fills after one segment (M = L)
         for _ in range(args.warmup):
             r.step()
     times = interleaved({m: r.step for m, r in runners.items()}, args.rounds)
-    tokens = batch * runners["xl-before"].seg_len
+    tokens = batch * runners["xl-after"].seg_len
     ratios = {key: [a / b for a, b in zip(times[num], times[den], strict=True)]
-              for key, (num, den) in RATIOS.items()}
+              for key, (num, den) in RATIOS.items() if num in times and den in times}
     result = {"batch": batch, "tokens_per_step": tokens,
               "cpu_s_per_step": {m: statistics.median(t) for m, t in times.items()},
               "round_ratios": ratios,
@@ -145,7 +158,7 @@ def profile(runner: Runner, steps: int, top: int) -> list[dict]:
                                        "share": 1.0, "calls_per_step": 0}]
 
 
-def forward_macs(shape: str, batch: int) -> dict:
+def forward_macs(shape: str, batch: int, softmax: str = "adaptive") -> dict:
     """Analytic multiply-accumulates per token of one training step (memory full, M = L):
     forward, and training = 3x every part that has a gradient + 1x LaMemo's top-layer
     look-ahead (run without one). Matmuls only; Zipf targets for the adaptive softmax.
@@ -157,7 +170,7 @@ def forward_macs(shape: str, batch: int) -> dict:
                look-ahead distances, look-ahead attention 3·B·M·min(M, L)·a, and below the
                top layer W_o and FFN for the M refreshed memory rows.
     """
-    c = SHAPES[shape]
+    c = shape_config(shape, softmax)
     d, n_l, n_q, n_m, d_in = c["d_model"], c["n_layer"], c["tgt_len"], c["mem_len"], c["d_inner"]
     a = c["n_head"] * c.get("d_head", d // c["n_head"])
     b = batch
@@ -285,6 +298,9 @@ def main(argv=None) -> int:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--tokens", choices=["zipf", "uniform"], default="zipf")
     p.add_argument("--optimizer", action="store_true", help="include an Adam step")
+    p.add_argument("--softmax", choices=["adaptive", "full"], default="adaptive",
+                   help="full: no cutoffs, one softmax over the vocabulary (the paper's "
+                        "FLOPs accounting); times today's kernels only")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--top", type=int, default=15)
@@ -296,8 +312,8 @@ def main(argv=None) -> int:
     wait = os.environ.get("OMP_WAIT_POLICY", "unset")
     print(f"torch {torch.__version__}, {args.threads} threads, fp32, dropout {args.dropout}, "
           f"OMP_WAIT_POLICY {wait}, tokens {args.tokens}, optimizer step "
-          f"{'yes' if args.optimizer else 'no'}, {args.rounds} rounds after {args.warmup} "
-          f"warm-up steps")
+          f"{'yes' if args.optimizer else 'no'}, softmax {args.softmax}, {args.rounds} rounds "
+          f"after {args.warmup} warm-up steps")
     results = {}
     for shape in (SHAPES if args.shape == "both" else [args.shape]):
         if args.kernels:
@@ -305,7 +321,8 @@ def main(argv=None) -> int:
             print(f"[{shape}] {json.dumps(results[shape], indent=1)}")
         else:
             results[shape] = measure(shape, args)
-            results[shape]["macs_per_token"] = forward_macs(shape, results[shape]["batch"])
+            results[shape]["macs_per_token"] = forward_macs(shape, results[shape]["batch"],
+                                                            args.softmax)
             print_result(shape, results[shape])
             print(f"  analytic MACs per token: {json.dumps(results[shape]['macs_per_token'])}")
         sys.stdout.flush()
