@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/bench_memory_plan.py            # the table of BENCHMARKS.md
     .venv/bin/python benchmarks/bench_memory_plan.py --quick    # three small rows
+    .venv/bin/python benchmarks/bench_memory_plan.py --compile  # + the compiled model's peak
 
 Each row runs one BPTT window exactly as the trainer does (`train.bptt.run_window` over k+1
 segments, the bare model as the engine, one backward) on the CPU, with a full memory carried
@@ -18,6 +19,11 @@ so that what grows is the window's own memory. Two exact byte counts, no RSS:
 
 Predicted: `window_memory(...)` with kernel "cpu" (dropout noise in the model dtype, SDPA's
 math path), the same config, rows and window. Error = (predicted - measured) / measured.
+
+--compile also measures the peak of the same window with the decoder stack compiled as
+`model.compile: true` compiles it (model/compiled.py), for the rows that can compile (not
+the selective recompute policies, which the config refuses with compile). The planner
+counts eager's activations; this column says how far a compiled step is from them.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from data_pipeline.streams import SegmentBatch  # noqa: E402
 from model import ModelConfig, build_model  # noqa: E402
+from model.compiled import compile_core, compiled_graphs  # noqa: E402
 from train.bptt import run_window  # noqa: E402
 from train.memory_model import Dims, count_params  # noqa: E402
 from train.memory_window import window_memory  # noqa: E402
@@ -82,11 +89,18 @@ def _data_ptr(t: torch.Tensor) -> int | None:
 
 def measure(cfg: ModelConfig, rows: int, depth: int, checkpoint_segments: bool,
             precision: str = "fp32", seed: int = 0, recompute: str = "full",
-            keep_last: int = 0) -> dict:
-    """Saved-tensor bytes and peak allocation growth of one window of depth+1 segments."""
+            keep_last: int = 0, compiled: bool = False) -> dict:
+    """Saved-tensor bytes and peak allocation growth of one window of depth+1 segments
+    (compiled: with the decoder stack compiled as `model.compile` does)."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
     model = build_model(cfg).to(DTYPES[precision]).train()
+    if compiled:
+        # A fresh compile cache per row: dynamo keeps at most `cache_size_limit` graphs per
+        # code object (every model's core shares one) and past it runs eager, silently.
+        torch._dynamo.reset()
+        compile_core(model)
+        graphs_before = compiled_graphs()
 
     def forward(*args, **kwargs):
         return model(*args, **kwargs)
@@ -123,7 +137,12 @@ def measure(cfg: ModelConfig, rows: int, depth: int, checkpoint_segments: bool,
             res = run_window(forward, state, segments, "cpu", **window)
         res.loss.backward()
         del res
-    return {"saved": sum(saved.values()), "peak": _peak_growth(prof)}
+    out = {"saved": sum(saved.values()), "peak": _peak_growth(prof)}
+    if compiled:
+        out["graphs"] = compiled_graphs() - graphs_before
+        if not out["graphs"]:
+            raise RuntimeError("--compile: nothing was compiled")
+    return out
 
 
 def predict(cfg: ModelConfig, rows: int, depth: int, checkpoint_segments: bool,
@@ -207,11 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="three small rows only")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--only", help="only the rows whose label contains this text")
+    ap.add_argument("--compile", action="store_true",
+                    help="also measure each row's peak with the decoder stack compiled")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     rows_out = []
     print(f"{'config':<28} {'pred saved MB':>13} {'meas saved MB':>13} {'err':>7} "
-          f"{'pred peak MB':>12} {'meas peak MB':>12} {'err':>7}", flush=True)
+          f"{'pred peak MB':>12} {'meas peak MB':>12} {'err':>7}"
+          + (f" {'compiled MB':>12} {'vs eager':>7}" if args.compile else ""), flush=True)
     for label, kw, rows, depth, ckpt, prec, *window in CASES:
         if (args.quick and label not in QUICK) or (args.only and args.only not in label):
             continue
@@ -224,6 +246,13 @@ def main(argv: list[str] | None = None) -> int:
              "precision": prec, **window, **{f"pred_{k}": v for k, v in want.items()},
              **{f"meas_{k}": v for k, v in got.items()}, "cpu_s": time.process_time() - t0}
         r["err_peak"] = (want["peak"] - got["peak"]) / got["peak"]
+        compiled = ""
+        if args.compile and window.get("recompute", "full") == "full":
+            comp = measure(cfg, rows, depth, ckpt, prec, **window, compiled=True)
+            r["meas_peak_compiled"], r["compiled_graphs"] = comp["peak"], comp["graphs"]
+            r["compiled_vs_eager"] = r["meas_peak_compiled"] / got["peak"]
+            compiled = (f" {r['meas_peak_compiled'] / 1e6:>12.2f} "
+                        f"{100 * (r['compiled_vs_eager'] - 1):>+6.1f}%")
         # Checkpointed regions save through their own hooks: the saved column would not
         # see them (the kept inputs are not saved tensors), so it is left empty.
         hidden = ckpt or cfg.checkpoint_layers
@@ -233,10 +262,15 @@ def main(argv: list[str] | None = None) -> int:
                  f"{want['saved'] / 1e6:>13.2f} {got['saved'] / 1e6:>13.2f} "
                  f"{100 * r['err_saved']:>+6.1f}%")
         print(f"{label:<28} {saved:<35} {want['peak'] / 1e6:>12.2f} "
-              f"{got['peak'] / 1e6:>12.2f} {100 * r['err_peak']:>+6.1f}%", flush=True)
+              f"{got['peak'] / 1e6:>12.2f} {100 * r['err_peak']:>+6.1f}%{compiled}",
+              flush=True)
     worst = max(abs(r["err_peak"]) for r in rows_out)
     print(f"worst peak error {100 * worst:.1f}% over {len(rows_out)} configurations "
           f"(goal: within 15%)")
+    ratios = [r["compiled_vs_eager"] for r in rows_out if "compiled_vs_eager" in r]
+    if ratios:
+        print(f"compiled peak / eager peak: {min(ratios):.2f}-{max(ratios):.2f} over "
+              f"{len(ratios)} configurations (the plan counts eager's)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"date": datetime.date.today().isoformat(),

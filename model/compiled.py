@@ -18,12 +18,32 @@ Choices, and why:
   one graph per length the memory passes through, 0, tgt_len, 2 tgt_len, ... up to
   mem_len, i.e. 1 + ceil(mem_len / tgt_len), then none (tests/test_compile.py counts
   them; `compiled_graphs()` reports them).
+- With `checkpoint_layers`, each layer call is compiled instead of the stack, inside the
+  eager checkpoint. Compiled as one graph, the stack's checkpointed layers lost most of
+  their saving: the compiled backward recomputed every layer's activations at once (peak
+  of one window measured on the CPU: LaMemo 2.2x, XL 1.16x eager checkpointing; LaMemo
+  above the compiled stack without checkpointing; BENCHMARKS.md, "Memory planner"). Per
+  layer, the checkpoint recomputes one layer at a time as in eager, each call through the
+  compiled layer. The layers share their graphs (same code, parameters as inputs), so the
+  count is still one per memory length (per branch kind for LaMemo), whatever n_layer.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
+
+# Dropout from torch's generator, in eager order (module docstring).
+_OPTIONS = {"fallback_random": True}
+
+
+def _contiguous(t):
+    # A memory sliced out of a longer concatenation has other strides than one built whole;
+    # compiled graphs guard on strides, so hand them one layout (a copy only of the tensors
+    # that need it) instead of compiling a graph per layout.
+    return t.contiguous() if isinstance(t, torch.Tensor) else t
 
 
 def compile_core(model: nn.Module) -> None:
@@ -36,18 +56,36 @@ def compile_core(model: nn.Module) -> None:
     instance, so parameter names, state_dict keys and module hooks are unchanged.
     """
     core = model.core
+    if core.cfg.checkpoint_layers:
+        _compile_layer_calls(core)
+        return
     eager = core.forward
-    compiled = torch.compile(eager, dynamic=None, options={"fallback_random": True})
+    compiled = torch.compile(eager, dynamic=None, options=_OPTIONS)
 
     def forward(h0, state, lengths):
         if not torch.is_grad_enabled():
             return eager(h0, state, lengths)
-        # A memory sliced out of a longer concatenation has other strides than one built
-        # whole; compiled graphs guard on strides, so hand them one layout (a copy only of
-        # the tensors that need it) instead of compiling a graph per layout.
         return compiled(h0, None if state is None else state.contiguous(), lengths)
 
     core.forward = forward
+
+
+def _compile_layer_calls(core: nn.Module) -> None:
+    """Under checkpoint_layers: compile what each `run_layer` call runs (a layer module, or
+    a method of the stack taking the layer), and keep the checkpoint around it eager."""
+    checkpointed = core.run_layer
+    compiled: dict = {}
+
+    def run_layer(fn, *args):
+        if not torch.is_grad_enabled():
+            return checkpointed(fn, *args)
+        # A bound method is a new object at every attribute access: key it by its function.
+        key = fn.__func__ if inspect.ismethod(fn) else fn
+        if key not in compiled:
+            compiled[key] = torch.compile(fn, dynamic=None, options=_OPTIONS)
+        return checkpointed(compiled[key], *(_contiguous(a) for a in args))
+
+    core.run_layer = run_layer
 
 
 def compiled_graphs() -> int:

@@ -70,22 +70,23 @@ class LaMemo(RelativeBackbone):
         top = len(self.layers) - 1
         bias = self.bias_tensors()
         for i, layer in enumerate(self.layers):
+            # Each call takes the layer and its biases, not its index: the same method serves
+            # every layer, as one compiled graph when model.compile compiles layer calls.
+            u, v_plus = self.biases(i, bias)
             if not m_now:
                 # First segment: no memory to refresh, only the causal branch runs; its C→
                 # and log s→ initialise the state.
-                h, c_all, ln_all = self.run_layer(
-                    lambda *a, _l=layer, _i=i: self._causal_only(_l, _i, *a), bias, h, r_causal,
-                    allowed)
-            elif i == top:
-                # Nothing reads the top layer's refreshed memory rows, only the state: skip
-                # their output and FFN, and refresh without building a graph.
-                h, c_all, ln_all = self.run_layer(
-                    lambda *a, _l=layer, _i=i: self._top_layer(_l, _i, *a), bias, mem, h,
-                    state.context[i], state.log_norm[i], r_causal, allowed, *ahead)
+                h, c_all, ln_all = self.run_layer(self._causal_only, layer, u, v_plus, h,
+                                                  r_causal, allowed)
             else:
-                mem, h, c_all, ln_all = self.run_layer(
-                    lambda *a, _l=layer, _i=i: self._layer(_l, _i, *a), bias, mem, h,
-                    state.context[i], state.log_norm[i], r_causal, allowed, *ahead)
+                branch_args = (layer, u, v_plus, self._v_minus(i, bias, v_plus), mem, h,
+                               state.context[i], state.log_norm[i], r_causal, allowed, *ahead)
+                if i == top:
+                    # Nothing reads the top layer's refreshed memory rows, only the state:
+                    # skip their output and FFN, and refresh without building a graph.
+                    h, c_all, ln_all = self.run_layer(self._top_layer, *branch_args)
+                else:
+                    mem, h, c_all, ln_all = self.run_layer(self._layer, *branch_args)
             contexts.append(c_all)
             log_norms.append(ln_all)
 
@@ -120,24 +121,26 @@ class LaMemo(RelativeBackbone):
         return r_ahead, la_allowed, win_start, skew_start, layout
 
     # ------------------------------------------------------------------ one layer
-    def _causal_only(self, layer, i, bias, h, r_causal, allowed):
-        u, v_plus = self.biases(i, bias)
+    def _v_minus(self, i, bias, v_plus):
+        """The look-ahead branch's positional bias v− (Eq. 8); the XL RPE ablation uses one
+        v for both branches, with signed distances."""
+        if self.opts.pos_enc != "disentangled":
+            return v_plus
+        return self.biases(i, bias, future=True)[1]
+
+    def _causal_only(self, layer, u, v_plus, h, r_causal, allowed):
         k, v = layer.attn.project_kv(h)
         c_fwd, lse_fwd = layer.attn.attend(layer.attn.project_q(h), k, v,
                                            layer.attn.project_r(r_causal), u, v_plus, allowed,
                                            need_lse=True)
         return layer.ff(layer.attn.output(h, c_fwd)), c_fwd, lse_fwd
 
-    def _branches(self, layer, i, bias, mem, h, c_mem, ln_mem, r_causal, allowed, r_ahead,
-                  la_allowed, win_start, skew_start, la_layout, *, top: bool):
+    def _branches(self, layer, u, v_plus, v_minus, mem, h, c_mem, ln_mem, r_causal, allowed,
+                  r_ahead, la_allowed, win_start, skew_start, la_layout, *, top: bool):
         """Causal branch for the current rows, look-ahead + interpolation for the memory rows.
         Returns z = [mem ∘ h], C = [C↔ ∘ C→] and log S = [log S_mem ⊕ log s← ∘ log s→]."""
         m_now = mem.shape[1]
         z = torch.cat([mem, h], dim=1)
-        u, v_plus = self.biases(i, bias)
-        v_minus = self.biases(i, bias, future=True)[1]
-        if self.opts.pos_enc != "disentangled":
-            v_minus = v_plus  # the XL RPE ablation: one v, signed distances
         k, v = layer.attn.project_kv(z)
         c_fwd, lse_fwd = layer.attn.attend(layer.attn.project_q(h), k, v,
                                            layer.attn.project_r(r_causal), u, v_plus, allowed,
@@ -166,13 +169,13 @@ class LaMemo(RelativeBackbone):
         c_all = torch.cat([c_mix, c_fwd], dim=1)
         return z, c_all, torch.cat([ln_mix, lse_fwd], dim=1)
 
-    def _layer(self, layer, i, bias, mem, *rest):
-        z, c_all, ln_all = self._branches(layer, i, bias, mem, *rest, top=False)
+    def _layer(self, layer, u, v_plus, v_minus, mem, *rest):
+        z, c_all, ln_all = self._branches(layer, u, v_plus, v_minus, mem, *rest, top=False)
         # Memory and current rows share W_o, LayerNorm and the FFN: one pass over [mem ∘ h].
         out = layer.ff(layer.attn.output(z, c_all))
         m_now = mem.shape[1]
         return out[:, :m_now], out[:, m_now:], c_all, ln_all
 
-    def _top_layer(self, layer, i, bias, mem, h, *rest):
-        z, c_all, ln_all = self._branches(layer, i, bias, mem, h, *rest, top=True)
+    def _top_layer(self, layer, u, v_plus, v_minus, mem, h, *rest):
+        z, c_all, ln_all = self._branches(layer, u, v_plus, v_minus, mem, h, *rest, top=True)
         return layer.ff(layer.attn.output(h, c_all[:, mem.shape[1]:])), c_all, ln_all
