@@ -141,6 +141,18 @@ def test_cli_plans_and_exits_zero_when_it_fits(capsys):
     assert "model states, ZeRO-1" in out and "XL cache 2 x [" in out
 
 
+def test_a_compiled_run_is_planned_with_eager_activations_and_says_so(capsys):
+    # tests/test_compile.py and bench_memory_plan.py --compile: compiled windows peak below
+    # the eager figure the planner counts, checkpointed layers included.
+    args = ["--config", "quickstart", "--gpu", "v100-16gb", "deepspeed.precision=fp16"]
+    assert main_plan(args) == 0
+    eager = capsys.readouterr().out
+    assert main_plan(args + ["model.compile=true"]) == 0
+    compiled = capsys.readouterr().out
+    assert "model.compile" not in eager
+    assert "model.compile: activations are counted as the eager model keeps them" in compiled
+
+
 def test_cli_refuses_a_plan_that_cannot_fit_even_at_depth_zero(capsys):
     code = main_plan(["--config", "wt103-xl-base", "--gpu-memory-gb", "2", "--nodes", "1",
                       "--gpus-per-node", "1", "bptt.depth=3"])

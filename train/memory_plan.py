@@ -171,6 +171,10 @@ def setup_for(cfg: RunConfig, gpu_mib: float, nodes: int, per_node: int,
     if cfg.model.cutoffs:
         notes.append("adaptive softmax: tail-cluster rows assume Zipf-distributed words "
                      "(an upper bound for natural text)")
+    if cfg.model.compile:
+        notes.append("model.compile: activations are counted as the eager model keeps them; "
+                     "compiled windows measured below that on the CPU in every configuration "
+                     "tried (BENCHMARKS.md, \"Memory planner\"), so the plan errs high")
     notes += recompute_notes(cfg)
     return Setup(cfg, world, rows, gpu_mib * 2 ** 20, margin_gib * GIB, params, static,
                  episodes, notes)
