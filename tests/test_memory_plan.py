@@ -142,8 +142,8 @@ def test_cli_plans_and_exits_zero_when_it_fits(capsys):
 
 
 def test_a_compiled_run_is_planned_with_eager_activations_and_says_so(capsys):
-    # tests/test_compile.py and bench_memory_plan.py --compile: compiled windows peak below
-    # the eager figure the planner counts, checkpointed layers included.
+    # bench_memory_plan.py --compile: compiled windows peak below the eager window the
+    # planner models (tests/test_compile.py holds it for checkpointed layers).
     args = ["--config", "quickstart", "--gpu", "v100-16gb", "deepspeed.precision=fp16"]
     assert main_plan(args) == 0
     eager = capsys.readouterr().out

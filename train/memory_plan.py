@@ -173,8 +173,8 @@ def setup_for(cfg: RunConfig, gpu_mib: float, nodes: int, per_node: int,
                      "(an upper bound for natural text)")
     if cfg.model.compile:
         notes.append("model.compile: activations are counted as the eager model keeps them; "
-                     "compiled windows measured below that on the CPU in every configuration "
-                     "tried (BENCHMARKS.md, \"Memory planner\"), so the plan errs high")
+                     "compiled windows peaked at 0.70-0.98x the eager peak on the CPU "
+                     "(BENCHMARKS.md, \"Memory planner\")")
     notes += recompute_notes(cfg)
     return Setup(cfg, world, rows, gpu_mib * 2 ** 20, margin_gib * GIB, params, static,
                  episodes, notes)
