@@ -5,6 +5,7 @@
     python benchmarks/bench_compile.py --parts train --json benchmarks/results/compile_train.json
     python benchmarks/bench_compile.py --parts profile
     python benchmarks/bench_compile.py --quick            # smoke check
+    python benchmarks/bench_compile.py --parts model --checkpoint-layers --mechanisms xl,lamemo
 
 Shape (issue 14): 4 layers, d_model 256, 4 heads, d_inner 1024, 256 symbols, segment 128,
 memory 128, batch 8, dropout 0.1, fp32, 2 threads. RMT: 10 memory tokens and an XL cache of
@@ -60,7 +61,8 @@ MECHANISMS = ("xl", "lamemo", "rmt")
 def model_config(a, mechanism: str) -> ModelConfig:
     return ModelConfig(mechanism=mechanism, vocab_size=a.vocab, n_layer=a.n_layer,
                        d_model=a.d_model, n_head=a.n_head, d_inner=a.d_inner, dropout=0.1,
-                       tgt_len=a.seg_len, mem_len=a.mem_len, rmt={"num_mem_tokens": 10})
+                       tgt_len=a.seg_len, mem_len=a.mem_len, rmt={"num_mem_tokens": 10},
+                       checkpoint_layers=a.checkpoint_layers)
 
 
 class Stepper:
@@ -89,10 +91,14 @@ def run_model(a) -> list[dict]:
         torch.manual_seed(0)
         base = build_model(model_config(a, mechanism))
         variants = {"eager": base}
-        for name, fallback in (("compiled", True), ("compiled, Inductor RNG", False)):
+        other = ("compiled, whole stack" if a.checkpoint_layers else "compiled, Inductor RNG")
+        for name in ("compiled", other):
             model = copy.deepcopy(base)
-            if fallback:
-                compile_core(model)
+            if name == "compiled":
+                compile_core(model)   # with checkpoint_layers: each layer call
+            elif a.checkpoint_layers:  # the checkpointed layers inside one graph (before)
+                model.core.forward = torch.compile(model.core.forward,
+                                                   options={"fallback_random": True})
             else:  # the same, with Inductor drawing dropout masks in its kernels
                 model.core.forward = torch.compile(model.core.forward)
             variants[name] = model
@@ -226,6 +232,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2, help="steps per variant per round")
     p.add_argument("--train-steps", type=int, default=60)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--checkpoint-layers", action="store_true",
+                   help="model part with model.checkpoint_layers (compiled per layer call, "
+                        "against the whole stack compiled)")
     p.add_argument("--quick", action="store_true", help="tiny shapes, one round")
     p.add_argument("--json")
     a = p.parse_args(argv)
