@@ -25,7 +25,10 @@ Choices, and why:
   above the compiled stack without checkpointing; BENCHMARKS.md, "Memory planner"). Per
   layer, the checkpoint recomputes one layer at a time as in eager, each call through the
   compiled layer. The layers share their graphs (same code, parameters as inputs), so the
-  count is still one per memory length (per branch kind for LaMemo), whatever n_layer.
+  count is still one per memory length whatever n_layer; LaMemo's three kinds of layer
+  call (the bottom one, whose memory has no gradient, the middle ones, the top one) make
+  three per memory length. Speed: per layer call 0.94-0.95x eager on the CPU, the whole
+  stack 1.09-1.11x, bought with the memory checkpointing was asked to save.
 """
 
 from __future__ import annotations
@@ -52,8 +55,9 @@ def compile_core(model: nn.Module) -> None:
     Only calls with gradients enabled go through the compiled code: evaluation and
     generation (no_grad, other batch sizes and memory lengths) stay eager instead of
     compiling a graph per shape, and a segment recomputed by activation checkpointing
-    (grad enabled, same shapes) reuses the training graph. The forward is replaced on the
-    instance, so parameter names, state_dict keys and module hooks are unchanged.
+    (grad enabled, same shapes) reuses the training graph. The forward (under
+    checkpoint_layers: `run_layer`) is replaced on the instance, so parameter names,
+    state_dict keys and module hooks are unchanged.
     """
     core = model.core
     if core.cfg.checkpoint_layers:
