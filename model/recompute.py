@@ -122,8 +122,10 @@ def _pack_on_device(draw: torch.Tensor) -> torch.Tensor:
     the first value in the most significant bit."""
     flat = (draw.reshape(-1) != 0).to(torch.uint8)
     flat = torch.cat([flat, flat.new_zeros(-flat.numel() % 8)])
-    bit = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=flat.device)
-    return (flat.view(-1, 8) * bit).sum(1, dtype=torch.uint8)
+    # The bit weights 128 .. 1 made on the device: torch.tensor([...], device=) would copy
+    # them from the host, a blocking copy that waits for the GPU at every draw.
+    shift = torch.arange(7, -1, -1, dtype=torch.uint8, device=flat.device)
+    return (flat.view(-1, 8) << shift).sum(1, dtype=torch.uint8)
 
 
 def _unpack_into(target: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:

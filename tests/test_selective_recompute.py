@@ -154,6 +154,17 @@ def test_the_device_side_bit_packing_is_numpys_bit_order_and_round_trips(n):
     assert torch.equal(_unpack_on_device(packed, n).float(), draw)
 
 
+def test_the_device_side_bit_packing_copies_nothing_from_the_host(monkeypatch):
+    # On a GPU, torch.tensor(data, device=...) is a blocking host-to-device copy: a sync per
+    # dropout draw. The packing and unpacking make every tensor on the draw's device.
+    def from_host(*args, **kwargs):
+        raise AssertionError("a tensor built from host data")
+    monkeypatch.setattr(torch, "tensor", from_host)
+    monkeypatch.setattr(torch, "as_tensor", from_host)
+    draw = torch.ones(20)
+    assert _unpack_on_device(_pack_on_device(draw), 20).sum() == 20
+
+
 def _noisy_block(x: torch.Tensor) -> torch.Tensor:
     # One dropout (bernoulli_ on the CPU) and one other draw, as CUDA's fused dropout is.
     return F.dropout(x, 0.3, training=True) * torch.rand_like(x)
