@@ -34,6 +34,7 @@ Choices, and why:
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 from torch import nn
@@ -60,6 +61,7 @@ def compile_core(model: nn.Module) -> None:
     state_dict keys and module hooks are unchanged.
     """
     core = model.core
+    _allow_graphs(core.cfg)
     if core.cfg.checkpoint_layers:
         _compile_layer_calls(core)
         return
@@ -72,6 +74,18 @@ def compile_core(model: nn.Module) -> None:
         return compiled(h0, None if state is None else state.contiguous(), lengths)
 
     core.forward = forward
+
+
+def _allow_graphs(cfg) -> None:
+    """Raise torch.compile's per-function graph limit (`recompile_limit`, 8) to what this
+    model compiles: past the limit a function silently runs eager (a logged warning only).
+    One graph per memory length, two per length for LaMemo's middle-layer call (its bottom
+    layer's memory has no gradient), one more for a memory sliced with other strides. The
+    setting is torch's, process-wide; it is only ever raised."""
+    lengths = 1 + math.ceil(cfg.mem_len / cfg.tgt_len)
+    needed = 2 * lengths + 1
+    if torch._dynamo.config.recompile_limit < needed:
+        torch._dynamo.config.recompile_limit = needed
 
 
 def _compile_layer_calls(core: nn.Module) -> None:

@@ -262,3 +262,22 @@ def test_compiled_checkpointed_layers_keep_the_memory_saving_of_eager_checkpoint
     compiled = bench_memory_plan.measure(cfg, 4, 1, False, compiled=True)
     assert compiled["graphs"] > 0
     assert compiled["peak"] <= 1.02 * eager
+
+
+def test_a_long_memory_compiles_every_length_instead_of_falling_back_to_eager():
+    # torch.compile runs a function eager, with only a logged warning, once it holds 8
+    # graphs. LaMemo's middle-layer call needs two per memory length (bottom layer: memory
+    # without gradient; the others: with); a memory of 5 segments has 6 lengths, so 12.
+    # compile_core raises the limit to what the model needs: all 1 + 3 x 5 graphs compile
+    # (at the default limit the count stopped at 14 and later layers ran eager).
+    torch._dynamo.reset()
+    model, opt, data = _tiny("lamemo", 5 * TGT, True, checkpoint_layers=True, n_layer=3,
+                             dropout=0.0)
+    state, graphs, before = None, [], compiled_graphs()
+    for _ in range(7):
+        x, y = torch.randint(0, 32, (2, 4, TGT), generator=data)
+        out = model(x, state, targets=y)
+        out.loss.backward()
+        state = out.state.detach()
+        graphs.append(compiled_graphs() - before)
+    assert graphs[-1] == graphs[-2] == 1 + 3 * 5
