@@ -243,7 +243,9 @@ def test_checkpointed_layers_compile_per_layer_call_with_the_eager_losses(mechan
     # gradient), the middle ones and the top one. A graph per layer would make 4x as many.
     torch._dynamo.reset()   # graphs compiled by earlier tests for the same code
     eager, _ = _train_checkpointed_layers(mechanism, False, n_layer=4)
+    breaks = graph_breaks()
     compiled, graphs = _train_checkpointed_layers(mechanism, True, n_layer=4)
+    assert graph_breaks() == breaks   # each layer call is one whole graph
     assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
     assert len(set(eager)) == STEPS
     kinds = 3 if mechanism == "lamemo" else 1
