@@ -79,11 +79,12 @@ def compile_core(model: nn.Module) -> None:
 def _allow_graphs(cfg) -> None:
     """Raise torch.compile's per-function graph limit (`recompile_limit`, 8) to what this
     model compiles: past the limit a function silently runs eager (a logged warning only).
-    One graph per memory length, two per length for LaMemo's middle-layer call (its bottom
-    layer's memory has no gradient), one more for a memory sliced with other strides. The
+    A function takes a graph per memory length and per kind of memory it is handed: with or
+    without gradient (LaMemo's bottom layer against the others; inside a BPTT window or at
+    its start), up to three kinds; plus one for a memory sliced with other strides. The
     setting is torch's, process-wide; it is only ever raised."""
     lengths = 1 + math.ceil(cfg.mem_len / cfg.tgt_len)
-    needed = 2 * lengths + 1
+    needed = 3 * lengths + 1
     if torch._dynamo.config.recompile_limit < needed:
         torch._dynamo.config.recompile_limit = needed
 
