@@ -150,18 +150,25 @@ def test_compiling_keeps_parameter_names_so_checkpoints_are_interchangeable():
     compiled.load_state_dict(eager.state_dict())
 
 
-def test_memtrain_train_compiled_matches_eager_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("model,graphs_then_resumed", [
+    ({}, (3, 1)),
+    # 2 layers: the bottom and the top layer call, per memory length 8 and 16.
+    ({"mechanism": "lamemo", "checkpoint_layers": True}, (5, 2)),
+], ids=["xl", "lamemo-checkpoint-layers"])
+def test_memtrain_train_compiled_matches_eager_and_resumes_exactly(tmp_path, model,
+                                                                    graphs_then_resumed):
     # Through the DeepSpeed engine (ZeRO-2), dropout 0.1: the eager run, and a compiled run
     # stopped after 3 steps and resumed to 6. The resumed steps can only match if the
-    # checkpoint restored the RNG the compiled dropout draws from.
+    # checkpoint restored the RNG the compiled dropout draws from. With checkpoint_layers
+    # the layer calls are compiled inside the checkpoints, whose recompute draws again.
     sections = dict(max_steps=6, save_every=3, deepspeed={"zero_stage": 2},
                     eval={"max_segments": 2, "every": 0})
-    eager_cfg = tiny_config(tmp_path, "eager", model={"mem_len": 16}, **sections)
+    model = {"mem_len": 16, **model}
+    eager_cfg = tiny_config(tmp_path, "eager", model=model, **sections)
     run_train(eager_cfg, launcher="single")
     eager = step_losses(tmp_path / "runs" / "eager")
 
-    cfg = tiny_config(tmp_path, "compiled", model={"mem_len": 16, "compile": True},
-                      **sections)
+    cfg = tiny_config(tmp_path, "compiled", model={**model, "compile": True}, **sections)
     run_train(cfg, ["max_steps=3"], launcher="single")
     done = run_train(cfg, launcher="single")
     assert "resumed from" in done.stdout
@@ -169,9 +176,9 @@ def test_memtrain_train_compiled_matches_eager_and_resumes_exactly(tmp_path):
     assert sorted(compiled) == sorted(eager) == list(range(1, 7))
     assert [compiled[s] for s in range(1, 7)] == pytest.approx(
         [eager[s] for s in range(1, 7)], rel=1e-5, abs=1e-6)
-    # The resumed process compiled its own graphs: memory 16 at step 4 needs just one.
+    # The resumed process compiled its own graphs: memory 16 from step 4 on, one length.
     graphs = step_losses(tmp_path / "runs" / "compiled", "compiled_graphs")
-    assert graphs[3] == 3 and graphs[6] == 1
+    assert (graphs[3], graphs[6]) == graphs_then_resumed
 
 
 def test_compiled_zero3_trains_bptt_windows_with_the_eager_losses_and_warns(tmp_path):
