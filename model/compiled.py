@@ -27,7 +27,7 @@ Choices, and why:
   compiled layer. The layers share their graphs (same code, parameters as inputs), so the
   count is still one per memory length whatever n_layer; LaMemo's three kinds of layer
   call (the bottom one, whose memory has no gradient, the middle ones, the top one) make
-  three per memory length. Speed: per layer call 0.94-0.95x eager on the CPU, the whole
+  up to three per memory length. Speed: per layer call 0.94-0.95x eager on the CPU, the whole
   stack 1.09-1.11x, bought with the memory checkpointing was asked to save.
 """
 
