@@ -96,8 +96,8 @@ def measure(cfg: ModelConfig, rows: int, depth: int, checkpoint_segments: bool,
     gen = torch.Generator().manual_seed(seed)
     model = build_model(cfg).to(DTYPES[precision]).train()
     if compiled:
-        # A fresh compile cache per row: dynamo keeps at most `cache_size_limit` graphs per
-        # code object (every model's core shares one) and past it runs eager, silently.
+        # A fresh compile cache per row: every model's core shares its code, so graphs of
+        # earlier rows would be reused (or count against torch.compile's graph limit).
         torch._dynamo.reset()
         compile_core(model)
         graphs_before = compiled_graphs()

@@ -39,12 +39,13 @@ def _tiny(mechanism: str, mem_len: int, compiled: bool, **extra):
     return model, torch.optim.Adam(model.parameters(), 1e-3), torch.Generator().manual_seed(3)
 
 
-def _train(mechanism: str, compiled: bool):
-    """STEPS training steps of a tiny model: (losses, graphs compiled after each step,
-    model)."""
-    model, opt, data = _tiny(mechanism, MEM, compiled, dropatt=0.1)
-    state, losses, graphs = None, [], []
-    for _ in range(STEPS):
+def _train(mechanism: str, compiled: bool, mem_len: int = MEM, steps: int = STEPS,
+           **extra):
+    """Training steps of a tiny model (dropatt 0.1 unless `extra` says otherwise): (losses,
+    graphs compiled by the end of each step, counted from the first, model)."""
+    model, opt, data = _tiny(mechanism, mem_len, compiled, **{"dropatt": 0.1, **extra})
+    state, losses, graphs, before = None, [], [], compiled_graphs()
+    for _ in range(steps):
         x, y = torch.randint(0, 32, (2, 4, TGT), generator=data)
         out = model(x, state, targets=y)
         out.loss.backward()
@@ -52,7 +53,7 @@ def _train(mechanism: str, compiled: bool):
         opt.zero_grad()
         state = out.state.detach()
         losses.append(out.loss.item())
-        graphs.append(compiled_graphs())
+        graphs.append(compiled_graphs() - before)
     return losses, graphs, model
 
 
@@ -61,10 +62,9 @@ def runs():
     out = {}
     for mechanism in ("xl", "lamemo", "rmt"):
         eager, _, _ = _train(mechanism, False)
-        before, breaks = compiled_graphs(), graph_breaks()
+        breaks = graph_breaks()
         losses, graphs, model = _train(mechanism, True)
-        out[mechanism] = (eager, losses, [g - before for g in graphs], model,
-                          graph_breaks() - breaks)
+        out[mechanism] = (eager, losses, graphs, model, graph_breaks() - breaks)
     return out
 
 
@@ -225,23 +225,6 @@ def test_a_bf16_model_compiles_and_trains_like_eager_bf16(mechanism):
     assert (grads[1] - grads[0]).norm() < 0.03 * grads[0].norm()
 
 
-def _train_checkpointed_layers(mechanism: str, compiled: bool, n_layer: int):
-    """STEPS steps with checkpoint_layers: (losses, graphs compiled after each step)."""
-    model, opt, data = _tiny(mechanism, MEM, compiled, dropatt=0.1, checkpoint_layers=True,
-                             n_layer=n_layer)
-    state, losses, graphs, before = None, [], [], compiled_graphs()
-    for _ in range(STEPS):
-        x, y = torch.randint(0, 32, (2, 4, TGT), generator=data)
-        out = model(x, state, targets=y)
-        out.loss.backward()
-        opt.step()
-        opt.zero_grad()
-        state = out.state.detach()
-        losses.append(out.loss.item())
-        graphs.append(compiled_graphs() - before)
-    return losses, graphs
-
-
 @pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt"])
 def test_checkpointed_layers_compile_per_layer_call_with_the_eager_losses(mechanism):
     # Each layer call is compiled inside its (eager) checkpoint. The 4 layers share their
@@ -249,9 +232,9 @@ def test_checkpointed_layers_compile_per_layer_call_with_the_eager_losses(mechan
     # kinds of call each: the bottom layer (its memory, the cached embeddings, has no
     # gradient), the middle ones and the top one. A graph per layer would make 4x as many.
     torch._dynamo.reset()   # graphs compiled by earlier tests for the same code
-    eager, _ = _train_checkpointed_layers(mechanism, False, n_layer=4)
+    eager, _, _ = _train(mechanism, False, checkpoint_layers=True, n_layer=4)
     breaks = graph_breaks()
-    compiled, graphs = _train_checkpointed_layers(mechanism, True, n_layer=4)
+    compiled, graphs, _ = _train(mechanism, True, checkpoint_layers=True, n_layer=4)
     assert graph_breaks() == breaks   # each layer call is one whole graph
     assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
     assert len(set(eager)) == STEPS
@@ -280,13 +263,6 @@ def test_a_long_memory_compiles_every_length_instead_of_falling_back_to_eager():
     # compile_core raises the limit to what the model needs: all 1 + 3 x 5 graphs compile
     # (at the default limit the count stopped at 14 and later layers ran eager).
     torch._dynamo.reset()
-    model, opt, data = _tiny("lamemo", 5 * TGT, True, checkpoint_layers=True, n_layer=3,
-                             dropout=0.0)
-    state, graphs, before = None, [], compiled_graphs()
-    for _ in range(7):
-        x, y = torch.randint(0, 32, (2, 4, TGT), generator=data)
-        out = model(x, state, targets=y)
-        out.loss.backward()
-        state = out.state.detach()
-        graphs.append(compiled_graphs() - before)
+    _, graphs, _ = _train("lamemo", True, mem_len=5 * TGT, steps=7, checkpoint_layers=True,
+                          n_layer=3, dropout=0.0, dropatt=0.0)
     assert graphs[-1] == graphs[-2] == 1 + 3 * 5
