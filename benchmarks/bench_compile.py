@@ -6,6 +6,7 @@
     python benchmarks/bench_compile.py --parts profile
     python benchmarks/bench_compile.py --quick            # smoke check
     python benchmarks/bench_compile.py --parts model --checkpoint-layers --mechanisms xl,lamemo
+    python benchmarks/bench_compile.py --parts model --device cuda --dtype bf16   # on a GPU
 
 Shape (issue 14): 4 layers, d_model 256, 4 heads, d_inner 1024, 256 symbols, segment 128,
 memory 128, batch 8, dropout 0.1, fp32, 2 threads. RMT: 10 memory tokens and an XL cache of
@@ -17,6 +18,8 @@ Parts:
            own copy of the model, interleaved step by step, rotated each round. Ratio =
            median over rounds of CPU-time(eager) / CPU-time(variant) (process CPU time: the
            machine is shared). Also: seconds to the first compiled step, graphs compiled.
+           With --device cuda: wall time up to the device's end (common.step_clock), the
+           models cast to --dtype; Inductor emits Triton kernels there (not run here).
   train    `memtrain train` at the same shape, eager then compiled, same seed and data:
            tokens/s from the run's own metrics.jsonl, median over the log intervals after
            the first (which holds the compile), the graphs it compiled, and the losses of
@@ -45,7 +48,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import yaml
-from common import add_model_size_args, interleaved, write_json
+from common import DTYPES, add_device_args, add_model_size_args, interleaved, step_clock, write_json
 
 from data_pipeline.shard_writer import write_manifest, write_token_split
 from data_pipeline.shards import Manifest, id_dtype
@@ -69,20 +72,25 @@ class Stepper:
     """One model, its Adam and its memory, stepping over random segments."""
 
     def __init__(self, model, a):
-        self.model, self.a, self.state = model, a, None
+        self.device = torch.device(a.device)
+        self.model = model.to(self.device, getattr(torch, DTYPES[a.dtype]))
+        self.a, self.state = a, None
         self.opt = torch.optim.Adam(model.parameters(), 2.5e-4)
         self.data = torch.Generator().manual_seed(1)
+        self.clock = step_clock(self.device)
 
     def step(self) -> float:
         a = self.a
         seg = torch.randint(0, a.vocab, (a.batch, a.seg_len + 1), generator=self.data)
-        start = time.process_time()
-        out = self.model(seg[:, :-1], self.state, targets=seg[:, 1:])
+        start = self.clock()
+        # Targets stay on the host, as the training step passes them (train/bptt.py).
+        out = self.model(seg[:, :-1].to(self.device, non_blocking=True), self.state,
+                         targets=seg[:, 1:])
         out.loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.state = out.state.detach()
-        return time.process_time() - start
+        return self.clock() - start
 
 
 def run_model(a) -> list[dict]:
@@ -115,7 +123,7 @@ def run_model(a) -> list[dict]:
         for name in steppers:
             ratios = [e / t for e, t in zip(times["eager"], times[name], strict=True)]
             row = {"mechanism": mechanism, "variant": name,
-                   "cpu_s_per_step": round(statistics.median(times[name]) / a.steps, 3),
+                   "s_per_step": round(statistics.median(times[name]) / a.steps, 3),
                    "speedup_vs_eager": round(statistics.median(ratios), 3),
                    "speedup_range": [round(min(ratios), 3), round(max(ratios), 3)],
                    "first_3_steps_wall_s": first[name], "graphs": graphs[name]}
@@ -236,16 +244,19 @@ def main(argv=None) -> int:
                    help="model part with model.checkpoint_layers (compiled per layer call, "
                         "against the whole stack compiled)")
     p.add_argument("--quick", action="store_true", help="tiny shapes, one round")
+    add_device_args(p)
     p.add_argument("--json")
     a = p.parse_args(argv)
     a.mechanisms = a.mechanisms.split(",")
+    if (a.device != "cpu" or a.dtype != "fp32") and a.parts != "model":
+        p.error("--device / --dtype apply to --parts model only")
     if a.quick:
         a.n_layer, a.d_model, a.d_inner, a.seg_len, a.mem_len, a.batch = 1, 32, 64, 16, 16, 2
         a.rounds, a.train_steps, a.log_every = 1, 4, 2
     torch.set_num_threads(a.threads)
     results = {"shape": {k: getattr(a, k) for k in ("n_layer", "d_model", "n_head", "d_inner",
                                                      "vocab", "seg_len", "mem_len", "batch",
-                                                     "threads")},
+                                                     "threads", "device", "dtype")},
                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     parts = a.parts.split(",")
     if "model" in parts:

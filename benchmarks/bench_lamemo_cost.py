@@ -6,6 +6,7 @@
     OMP_WAIT_POLICY=PASSIVE python benchmarks/bench_lamemo_cost.py --shape wt103 --batch 2 \
         --softmax full      # one 267,735-way softmax: the paper's FLOPs accounting
     python benchmarks/bench_lamemo_cost.py --kernels     # one attention call per kernel
+    python benchmarks/bench_lamemo_cost.py --shape wt103 --device cuda --dtype bf16  # a GPU
 
 OMP_WAIT_POLICY=PASSIVE: on a shared machine an OpenMP thread whose partner is descheduled
 spins at the barrier and the spin is charged as process CPU time; passive waiting charges
@@ -30,6 +31,11 @@ step of each (order rotating), the time is the process CPU time of the step (the
 shared: never wall time), and each reported ratio is the median of the per-round ratios.
 One step = forward + backward of one segment with the memory carried (+ an Adam step with
 --optimizer).
+
+On a GPU (--device cuda): the two models as the trainer runs them, each layer's kernel the
+model's own choice ("fused": XL through SDPA with the head padded, LaMemo through the
+one-pass kernel), cast to --dtype; a step is timed in wall time up to the device's end
+(benchmarks/common.py `step_clock`). Not run by this project (no GPU here).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import sys
 import time
 
 import torch
-from common import interleaved, write_json
+from common import DTYPES, add_device_args, interleaved, step_clock, write_json
 
 from model import ModelConfig, build_model
 
@@ -86,9 +92,11 @@ class Runner:
         torch.manual_seed(0)
         cfg = ModelConfig(mechanism=mechanism, dropout=args.dropout, dropatt=0.0,
                           **shape_config(shape, args.softmax))
-        self.model = build_model(cfg).train()
+        self.device = torch.device(args.device)
+        self.model = build_model(cfg).train().to(self.device, getattr(torch, DTYPES[args.dtype]))
         for layer in self.model.core.layers:
             layer.attn.impl = kernel
+        self.clock = step_clock(self.device)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4) if args.optimizer else None
         self.seg_len = cfg.tgt_len
         gen = torch.Generator().manual_seed(1)
@@ -101,12 +109,14 @@ class Runner:
             self.pos, self.state = 0, None
         seg = self.data[:, self.pos:self.pos + self.seg_len + 1]
         self.pos += self.seg_len
-        start = time.process_time()
-        out = self.model(seg[:, :-1], self.state, targets=seg[:, 1:])
+        start = self.clock()
+        # Targets stay on the host, as the training step passes them (train/bptt.py).
+        out = self.model(seg[:, :-1].to(self.device, non_blocking=True), self.state,
+                         targets=seg[:, 1:])
         out.loss.backward()
         if self.opt is not None:
             self.opt.step()
-        elapsed = time.process_time() - start
+        elapsed = self.clock() - start
         self.model.zero_grad(set_to_none=True)
         self.state = out.state.detach()
         return elapsed
@@ -124,6 +134,8 @@ def measure(shape: str, args) -> dict:
     batch = args.batch or DEFAULT_BATCH[shape]
     # With --softmax full only today's kernels run: a step is seconds, not the kernels' story.
     variants = VARIANTS if args.softmax == "adaptive" else VARIANTS[2:]
+    if args.device != "cpu":   # the kernels the model chooses there
+        variants = [("xl-after", "xl", "fused"), ("lamemo-after", "lamemo", "fused")]
     runners = {name: Runner(shape, mech, kernel, args, batch) for name, mech, kernel in variants}
     for r in runners.values():  # warm-up: the memory fills after one segment (M = L)
         for _ in range(args.warmup):
@@ -133,7 +145,8 @@ def measure(shape: str, args) -> dict:
     ratios = {key: [a / b for a, b in zip(times[num], times[den], strict=True)]
               for key, (num, den) in RATIOS.items() if num in times and den in times}
     result = {"batch": batch, "tokens_per_step": tokens,
-              "cpu_s_per_step": {m: statistics.median(t) for m, t in times.items()},
+              "s_per_step": {m: statistics.median(t) for m, t in times.items()},
+              "clock": "process CPU" if args.device == "cpu" else "wall, device synchronised",
               "round_ratios": ratios,
               "median_ratio": {k: statistics.median(v) for k, v in ratios.items()}}
     if args.profile:
@@ -274,9 +287,9 @@ def measure_kernels(shape: str, args) -> dict:
 
 
 def print_result(shape: str, res: dict) -> None:
-    t = res["cpu_s_per_step"]
-    print(f"[{shape}] batch {res['batch']} ({res['tokens_per_step']} tokens/step), median CPU "
-          f"s/step: " + ", ".join(f"{m} {v:.3f}" for m, v in t.items()))
+    t = res["s_per_step"]
+    print(f"[{shape}] batch {res['batch']} ({res['tokens_per_step']} tokens/step), median "
+          f"s/step ({res['clock']}): " + ", ".join(f"{m} {v:.3f}" for m, v in t.items()))
     for key, value in res["median_ratio"].items():
         rounds = ", ".join(f"{r:.2f}" for r in res["round_ratios"][key])
         print(f"  {key:<22}{value:>7.3f}   (rounds: {rounds})")
@@ -306,11 +319,15 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--kernels", action="store_true",
                    help="time one attention call per kernel (incl. FlexAttention) instead")
+    add_device_args(p)
     p.add_argument("--json", help="also write the results to this file")
     args = p.parse_args(argv)
+    if args.device != "cpu" and (args.kernels or args.profile):
+        p.error("--kernels and --profile time CPU work only; leave them out with --device")
     torch.set_num_threads(args.threads)
     wait = os.environ.get("OMP_WAIT_POLICY", "unset")
-    print(f"torch {torch.__version__}, {args.threads} threads, fp32, dropout {args.dropout}, "
+    print(f"torch {torch.__version__}, {args.device}, {args.threads} threads, {args.dtype}, "
+          f"dropout {args.dropout}, "
           f"OMP_WAIT_POLICY {wait}, tokens {args.tokens}, optimizer step "
           f"{'yes' if args.optimizer else 'no'}, softmax {args.softmax}, {args.rounds} rounds "
           f"after {args.warmup} warm-up steps")

@@ -27,6 +27,34 @@ def add_model_size_args(parser) -> None:
     parser.add_argument("--vocab", type=int, default=256)
 
 
+def step_clock(device) -> Callable[[], float]:
+    """The clock a benchmark step is timed with. CPU: process CPU time (on a shared VM the
+    time the hypervisor steals is not charged to us; never wall time). CUDA: wall time
+    read after the device has finished what was queued (the host only queues kernels, so
+    its own CPU time says nothing of the step)."""
+    import time
+
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return time.process_time
+
+    def cuda_wall() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+    return cuda_wall
+
+
+def add_device_args(parser) -> None:
+    """--device / --dtype of the benchmarks that can run on a GPU (the model is cast to the
+    dtype as DeepSpeed casts it for bf16 / fp16 training)."""
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
 def write_json(path: str | None, results: dict) -> None:
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
