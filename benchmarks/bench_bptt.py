@@ -4,9 +4,10 @@
         --json benchmarks/results/bptt_memory.json
     python benchmarks/bench_bptt.py --parts speed --rounds 5 \
         --json benchmarks/results/bptt_speed.json
-    python benchmarks/bench_bptt.py --parts profile,recompute --keep-last 0,1 \
-        --json benchmarks/results/selective_recompute.json   # (exact command: that .md)
     python benchmarks/bench_bptt.py --quick                     # smoke check, < 60 s
+
+Selective recompute policies (time and memory per `bptt.recompute`): bench_recompute.py,
+which steps the same RMTRunner and measures memory in the same children.
 
 Parts (single process, bare model, no DeepSpeed; `train.bptt.run_window` as the engine runs
 it, the model called directly):
@@ -20,24 +21,21 @@ it, the model called directly):
              per-round ratios time(ckpt) / time(plain). A step here includes the Adam update.
   lm-memory  XL and LaMemo peak memory of one segment's forward + backward with a full memory
              of mem_len, with and without per-layer checkpointing (checkpoint_layers).
-  profile    where a checkpointed step's extra time goes: per-op CPU time (a dispatch mode)
-             of window k=1 steps under each --policies value minus the plain step's.
-  recompute  per bptt.recompute x bptt.keep_last_segments variant: step time / plain step
-             time at --recompute-time-depths (interleaved as in `speed`, with Adam, medians
-             of per-round ratios) and peak memory at --recompute-memory-depths (as `memory`).
 
 Memory: every variant runs in a fresh subprocess with MALLOC_MMAP_THRESHOLD_=65536 (freed
 blocks leave the RSS); it makes one warm-up step (first-call allocations, allocator pools),
 reads VmRSS, resets VmHWM (/proc/self/clear_refs), makes ONE measured step, and reports
-VmHWM - VmRSS_before. The step is forward + backward + zero_grad(set_to_none); no optimizer
-update (Adam's state and its temporaries would add a constant that is not BPTT's), so the
-figure is activations + gradients. Time: process CPU time (robust to hypervisor steal).
+VmHWM - VmRSS_before (on CUDA: torch.cuda.max_memory_allocated above the memory allocated
+before). The step is forward + backward + zero_grad(set_to_none); no optimizer update
+(Adam's state and its temporaries would add a constant that is not BPTT's), so the figure is
+activations + gradients. Time: process CPU time (robust to hypervisor steal); on CUDA wall
+time up to the device's end (common.step_clock).
 """
+
 
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import resource
@@ -47,14 +45,20 @@ import sys
 import time
 
 import torch
-from common import add_model_size_args, interleaved, status_kib, timed_step, write_json
-from torch.utils._python_dispatch import TorchDispatchMode
+from common import (
+    DTYPES,
+    add_device_args,
+    add_model_size_args,
+    interleaved,
+    status_kib,
+    step_clock,
+    timed_step,
+    write_json,
+)
 
 from data_pipeline.streams import SegmentBatch
 from model import ModelConfig, build_model
 from train.bptt import run_window
-
-CPU = torch.device("cpu")
 
 
 def model_config(a, mechanism: str, mem_len: int, ckpt_layers: bool = False) -> ModelConfig:
@@ -71,7 +75,10 @@ class RMTRunner:
     def __init__(self, a, mode: str, k: int, ckpt: bool, optimizer: bool, seed: int = 0,
                  recompute: str = "full", keep_last: int = 0):
         torch.manual_seed(seed)
-        self.model = build_model(model_config(a, "rmt", 0)).train()
+        self.device = torch.device(a.device)
+        self.model = build_model(model_config(a, "rmt", 0)).train().to(
+            self.device, getattr(torch, DTYPES[a.dtype]))
+        self.clock = step_clock(self.device)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4) if optimizer else None
         self.a, self.mode, self.k, self.ckpt = a, mode, k, ckpt
         self.recompute, self.keep_last = recompute, keep_last
@@ -94,14 +101,14 @@ class RMTRunner:
     def step(self) -> float:
         segs = self._segments()
         counted = None if self.mode == "window" else [False] * self.k + [True]
-        start, kernel = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_stime
-        res = run_window(self.model, self.state, segs, CPU, counted=counted,
+        start, kernel = self.clock(), resource.getrusage(resource.RUSAGE_SELF).ru_stime
+        res = run_window(self.model, self.state, segs, self.device, counted=counted,
                          checkpoint_segments=self.ckpt, recompute=self.recompute,
                          keep_last_segments=self.keep_last)
         res.loss.backward()
         if self.opt is not None:
             self.opt.step()
-        elapsed = time.process_time() - start
+        elapsed = self.clock() - start
         self.sys_s.append(resource.getrusage(resource.RUSAGE_SELF).ru_stime - kernel)
         self.model.zero_grad(set_to_none=True)
         # Sliding mode would restart from the memory saved k steps ago; any detached memory
@@ -143,6 +150,15 @@ def memory_child(a) -> None:
     else:
         runner = LMRunner(a, spec["mech"], spec["mem_len"], spec["ckpt"])
     runner.step()  # warm-up: first-call allocations are not the step's
+    if a.device != "cpu":
+        torch.cuda.synchronize(a.device)
+        torch.cuda.reset_peak_memory_stats(a.device)
+        before = torch.cuda.memory_allocated(a.device)
+        step_s = runner.step()
+        peak = torch.cuda.max_memory_allocated(a.device) - before
+        print(json.dumps({"peak_mb": peak / 2**20, "base_mb": before / 2**20,
+                          "step_s": step_s}))
+        return
     before = status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
@@ -152,7 +168,7 @@ def memory_child(a) -> None:
 
 
 SIZE_FLAGS = ("n_layer", "d_model", "n_head", "d_inner", "seg_len", "num_mem_tokens", "batch",
-              "lm_batch", "vocab", "dropout", "threads")
+              "lm_batch", "vocab", "dropout", "threads", "device", "dtype")
 
 
 def run_child(a, spec: dict) -> dict:
@@ -194,100 +210,6 @@ def measure_lm_memory(a) -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------- recompute
-def recompute_variants(a) -> dict:
-    """name -> (checkpoint_segments, bptt.recompute, bptt.keep_last_segments)."""
-    out = {"plain": (False, "full", 0)}
-    for pol in a.policies:
-        for keep in a.keep_last:
-            out[pol + (f"+last{keep}" if keep else "")] = (True, pol, keep)
-    return out
-
-
-class OpTimer(TorchDispatchMode):
-    """Process CPU time per aten op (what a checkpoint's cache skips never reaches it)."""
-
-    def __init__(self):
-        super().__init__()
-        self.cpu_s: collections.Counter = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        start = time.process_time()
-        out = func(*args, **(kwargs or {}))
-        self.cpu_s[func.overloadpacket.__name__] += time.process_time() - start
-        return out
-
-
-def profile_recompute(a) -> dict:
-    """Where a checkpointed step's extra time goes: per-op CPU time of window k=1 steps
-    (no optimizer) minus the plain step's, variants interleaved over the rounds."""
-    variants = {n: v for n, v in recompute_variants(a).items() if not v[2]}
-    runners = {n: RMTRunner(a, "window", 1, ck, optimizer=False, recompute=pol)
-               for n, (ck, pol, _) in variants.items()}
-    for r in runners.values():
-        r.step()
-    per_op = {n: collections.Counter() for n in runners}
-    for _ in range(a.rounds):
-        for n, r in runners.items():
-            timer = OpTimer()
-            with timer:
-                r.step()
-            per_op[n].update(timer.cpu_s)
-    base = per_op["plain"]
-    out = {}
-    for n, ops in per_op.items():
-        extra = {op: (ops[op] - base[op]) / a.rounds for op in set(ops) | set(base)}
-        total = sum(extra.values())
-        out[n] = {"step_cpu_s": sum(ops.values()) / a.rounds, "extra_cpu_s": total,
-                  "extra_by_op": dict(sorted(extra.items(), key=lambda kv: -kv[1])[:12])}
-        if n != "plain":
-            top = ", ".join(f"{op} {v / total:.0%}" for op, v in
-                            list(out[n]["extra_by_op"].items())[:6])
-            print(f"  {n:<19} step {out[n]['step_cpu_s']:.2f} s, extra {total:.2f} s "
-                  f"({total / out['plain']['step_cpu_s']:.0%} of plain): {top}", flush=True)
-    return out
-
-
-def measure_recompute(a) -> dict:
-    """Per variant: time / plain time at each depth (interleaved, medians of per-round
-    ratios; a step includes Adam) and peak memory at each memory depth (fresh process)."""
-    variants = recompute_variants(a)
-    out = {"time": {}, "memory": {}}
-    for k in a.recompute_time_depths:
-        runners = {n: RMTRunner(a, "window", k, ck, optimizer=True, recompute=pol,
-                                keep_last=keep) for n, (ck, pol, keep) in variants.items()}
-        for r in runners.values():
-            r.step()
-        times = interleaved({n: r.step for n, r in runners.items()}, a.rounds,
-                            lambda rnd, k=k: print(f"  k={k}: round {rnd + 1}/{a.rounds} "
-                                                   "done", flush=True))
-        # user CPU time leaves out the kernel's page faults, which glibc's freeing of large
-        # blocks makes a CPU-only cost of the step that holds the most memory (plain).
-        user = {n: [t - s for t, s in zip(ts, runners[n].sys_s[1:], strict=True)]
-                for n, ts in times.items()}
-        del runners
-        out["time"][k] = {n: {"cpu_s": ts, "user_cpu_s": user[n], "ratio_vs_plain":
-                              statistics.median(t / b for t, b in zip(ts, times["plain"],
-                                                                      strict=True)),
-                              "user_ratio_vs_plain": statistics.median(
-                                  t / b for t, b in zip(user[n], user["plain"], strict=True))}
-                          for n, ts in times.items()}
-    for n, (ck, pol, keep) in variants.items():
-        out["memory"][n] = {k: run_child(a, {"kind": "rmt", "mode": "window", "k": k,
-                                             "ckpt": ck, "recompute": pol, "keep_last": keep})
-                            for k in a.recompute_memory_depths}
-    k1, kn = a.recompute_memory_depths[0], a.recompute_memory_depths[-1]
-    for n in variants:
-        mem = out["memory"][n]
-        mem["ratio"] = mem[kn]["peak_mb"] / mem[k1]["peak_mb"]
-        times = "  ".join(f"time k={k}: {out['time'][k][n]['ratio_vs_plain']:.2f}x (user "
-                          f"{out['time'][k][n]['user_ratio_vs_plain']:.2f}x)"
-                          for k in a.recompute_time_depths)
-        print(f"  {n:<25}{times}  peak k={k1}: {mem[k1]['peak_mb']:.0f} MB, k={kn}: "
-              f"{mem[kn]['peak_mb']:.0f} MB ({mem['ratio']:.2f}x)", flush=True)
-    return out
-
-
 # ----------------------------------------------------------------------------- speed
 def measure_speed(a) -> dict:
     variants = {}
@@ -319,9 +241,16 @@ def measure_speed(a) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def print_shape(a) -> None:
+    print(f"torch {torch.__version__}, {a.device}, {a.threads} thread(s); {a.n_layer} layers, "
+          f"d_model {a.d_model}, {a.n_head} heads, d_inner {a.d_inner}, segment {a.seg_len}, "
+          f"RMT {a.num_mem_tokens} memory tokens, batch {a.batch} (XL/LaMemo: {a.lm_batch}), "
+          f"vocab {a.vocab}, dropout {a.dropout}, {a.dtype}", flush=True)
+
+
+def add_rmt_args(p) -> None:
+    """The shape and machine flags of this script and bench_recompute.py (and of the
+    children both start)."""
     add_model_size_args(p)
     p.add_argument("--seg-len", type=int, default=128)
     p.add_argument("--num-mem-tokens", type=int, default=16)
@@ -329,42 +258,38 @@ def main(argv=None) -> int:
     p.add_argument("--lm-batch", type=int, default=4, help="rows of the XL/LaMemo part")
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--threads", type=int, default=1)
+    add_device_args(p)
+    p.add_argument("--json", help="write every figure to this file")
+    p.add_argument("--_child", help=argparse.SUPPRESS)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_rmt_args(p)
     p.add_argument("--depths", default="1,2,4,8,16", help="k of the memory part")
     p.add_argument("--speed-depths", default="0,1,2,4", help="k of the speed part")
     p.add_argument("--mem-lens", default="128,256,512,1024,2048", help="lm-memory part")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (speed)")
-    p.add_argument("--policies", default="full,save-ffn-out,save-linear,save-matmul",
-                   help="bptt.recompute values of the recompute/profile parts")
-    p.add_argument("--keep-last", default="0,1", help="bptt.keep_last_segments values")
-    p.add_argument("--recompute-time-depths", default="4", help="k of the recompute times")
-    p.add_argument("--recompute-memory-depths", default="1,16", help="k of its memory")
     p.add_argument("--parts", default="memory,speed,lm-memory",
-                   help="of memory, speed, lm-memory, profile, recompute")
+                   help="of memory, speed, lm-memory")
     p.add_argument("--quick", action="store_true", help="tiny sizes, few variants (smoke)")
-    p.add_argument("--json", help="write every figure to this file")
-    p.add_argument("--_child", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.quick and not a._child:
         a.n_layer, a.d_model, a.d_inner, a.seg_len, a.batch, a.lm_batch = 2, 64, 256, 32, 2, 2
         a.depths, a.speed_depths, a.mem_lens, a.rounds = "1,4", "0,2", "64", 2
-        a.recompute_time_depths, a.recompute_memory_depths = "2", "1,4"
     torch.set_num_threads(a.threads)
     a.depths = [int(x) for x in str(a.depths).split(",")]
     a.speed_depths = [int(x) for x in str(a.speed_depths).split(",")]
     a.mem_lens = [int(x) for x in str(a.mem_lens).split(",")]
-    a.policies = str(a.policies).split(",")
-    a.keep_last, a.recompute_time_depths, a.recompute_memory_depths = (
-        [int(x) for x in str(v).split(",")] for v in
-        (a.keep_last, a.recompute_time_depths, a.recompute_memory_depths))
     if a._child:
         memory_child(a)
         return 0
     parts = a.parts.split(",")
+    if a.device != "cpu" and "lm-memory" in parts:
+        p.error("the lm-memory part measures the CPU only (process RSS)")
     t0 = time.time()
-    print(f"torch {torch.__version__}, {a.threads} thread(s); {a.n_layer} layers, d_model "
-          f"{a.d_model}, {a.n_head} heads, d_inner {a.d_inner}, segment {a.seg_len}, RMT "
-          f"{a.num_mem_tokens} memory tokens, batch {a.batch} (XL/LaMemo: {a.lm_batch}), "
-          f"vocab {a.vocab}, dropout {a.dropout}, fp32", flush=True)
+    print_shape(a)
     results = {"args": {k: v for k, v in vars(a).items() if k != "_child"}}
     if "memory" in parts:
         print("RMT peak MB of one step (ratio to the first k):", flush=True)
@@ -388,20 +313,6 @@ def main(argv=None) -> int:
         r = sp["ckpt_overhead_kmax"]
         print(f"GOAL checkpoint overhead, window k={kmax}: {r:.2f}x "
               f"(<= 1.4x: {'met' if r <= 1.4 else 'NOT met'})")
-    if "profile" in parts:
-        print(f"extra CPU time of a checkpointed window k=1 step over the plain one, by op "
-              f"({a.rounds} rounds):", flush=True)
-        results["profile"] = profile_recompute(a)
-    if "recompute" in parts:
-        print("selective recompute: step time / plain step time, peak MB:", flush=True)
-        rc = results["recompute"] = measure_recompute(a)
-        kt, k1, kn = (max(a.recompute_time_depths), a.recompute_memory_depths[0],
-                      a.recompute_memory_depths[-1])
-        for n in list(rc["memory"])[1:]:   # the checkpointed ones
-            t, m = rc["time"][kt][n]["ratio_vs_plain"], rc["memory"][n]["ratio"]
-            ok = t <= 1.25 and m <= 1.5
-            print(f"GOAL {n}: time k={kt} {t:.2f}x (<= 1.25x), peak k={kn} / k={k1} {m:.2f}x "
-                  f"(<= 1.5x): {'met' if ok else 'NOT met'}")
     if "lm-memory" in parts:
         print(f"XL / LaMemo peak MB of one step with a full memory (batch {a.lm_batch}):",
               flush=True)
