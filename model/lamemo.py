@@ -27,7 +27,7 @@ from torch import nn
 from .attention import AttnLayout
 from .backbone import Learned, Lengths, RelativeBackbone, causal_allowed
 from .config import ModelConfig
-from .memory import LaMemoMemory, _fifo
+from .memory import LaMemoMemory, _fifo, _last
 from .positional import distance_list
 
 
@@ -93,8 +93,8 @@ class LaMemo(RelativeBackbone):
         keep = lengths.mem_len
         new_state = LaMemoMemory(
             emb=_fifo(state.emb if m_now else None, h0, keep),
-            context=[c[:, -keep:].detach() for c in contexts],
-            log_norm=[s[:, -keep:].detach().float() for s in log_norms],
+            context=[_last(c, keep) for c in contexts],
+            log_norm=[_last(s, keep).float() for s in log_norms],
             length=(state.length + n_q).clamp(max=keep),
         )
         return self.drop(h), new_state

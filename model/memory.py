@@ -31,10 +31,22 @@ def _register(cls):
     return cls
 
 
+def _last(x: torch.Tensor, keep: int) -> torch.Tensor:
+    """Last `keep` entries of x along time (dim 1), detached, contiguous, in a storage of
+    their own: a slice view would keep all of x's storage alive for as long as the memory
+    lives (a carried memory twice its size when the segment is as long as the memory)."""
+    if x.shape[1] <= keep:
+        return x.detach().contiguous()
+    return x[:, x.shape[1] - keep:].detach().clone(memory_format=torch.contiguous_format)
+
+
 def _fifo(old: torch.Tensor | None, new: torch.Tensor, keep: int) -> torch.Tensor:
-    """Last `keep` entries of [old ∘ new] along time (dim 1), detached."""
-    cat = new if old is None or old.shape[1] == 0 else torch.cat([old, new], dim=1)
-    return cat[:, max(0, cat.shape[1] - keep):].detach()
+    """Last `keep` entries of [old ∘ new] along time (dim 1), detached, copying only those
+    (see `_last`)."""
+    from_old = keep - new.shape[1]
+    if old is None or old.shape[1] == 0 or from_old <= 0:
+        return _last(new, keep)
+    return torch.cat([old[:, max(0, old.shape[1] - from_old):], new], dim=1).detach()
 
 
 class MemoryState:

@@ -431,6 +431,26 @@ def test_xl_fifo_holds_the_last_mem_len_inputs_of_every_layer():
     assert len(captured[0]) == 3 and len(captured[1]) == 3
 
 
+@pytest.mark.parametrize("setup", ["xl", "lamemo", "rmt+cache"])
+@pytest.mark.parametrize("mem_len", [2, SEG, MEM])    # shorter than, as long as, longer than
+def test_a_carried_state_holds_only_its_own_rows(setup, mem_len):
+    """Each tensor of the state owns a storage of exactly its size: the memory of the last
+    M rows is not a view of [old ∘ new] (or of the layer output), which would keep M+L rows
+    alive for as long as the memory lives, in every layer (and in checkpoint files)."""
+    mechanism, _ = SETUPS[setup]
+    model = sharpened_model(mechanism, mem_len, vocab=VOCAB, seg=SEG).train()
+    tokens, targets = random_tokens(BATCH, 3, seed=4)
+    state = None
+    for s in range(3):   # the first segment (no memory yet), then a full memory
+        out = model(tokens[:, s * SEG:(s + 1) * SEG], state,
+                    targets=targets[:, s * SEG:(s + 1) * SEG])
+        out.loss.backward()
+        state = out.state.detach()
+        for name, t in tensors(state).items():
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), (s, name)
+            assert t.is_contiguous(), (s, name)
+
+
 def test_xl_without_memory_carries_nothing():
     cfg = dict(mechanism="xl", vocab_size=VOCAB, n_layer=2, d_model=32, n_head=4,
                d_inner=64, dropout=0.0, tgt_len=SEG, mem_len=0)

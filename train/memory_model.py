@@ -30,10 +30,11 @@ s bytes of the model dtype: 4 fp32, 2 bf16/fp16; each storage counted once):
   adaptive softmax (Grave et al. 2016): the concatenated head weight, the head log-softmax and
   its row copy, each tail cluster's rows' log-softmax. Rows per cluster: a Zipf law (rank^-1)
   over the frequency-sorted vocabulary (natural text puts more in the head: an upper bound).
-Memory state (model/memory.py): a FIFO keeps the [old ∘ new] concatenation and views its last
-M rows, so an XL cache costs n_layer·B·(M+L)·d·s; LaMemo keeps the embeddings and per layer
-contexts [B,M+L,H,dh] and fp32 log-normalisers [B,M+L,H]; RMT's memory is a copy of the write
-rows of the top layer's output [B,m,d] (or the memory LayerNorm's output, as large).
+Memory state (model/memory.py): the FIFO copies the last M rows of [old ∘ new] into a storage
+of their own, so an XL cache costs n_layer·B·M·d·s; LaMemo keeps the embeddings and per layer
+contexts [B,M,H,dh] and fp32 log-normalisers [B,M,H]; RMT's memory is a copy of the write
+rows of the top layer's output [B,m,d] (or the memory LayerNorm's output, as large). When
+L = M the new cache IS the segment's layer inputs (no copy), which the window saves anyway.
 
 The peak of a window from these blocks: memory_window.py. Validated on CPU by
 benchmarks/bench_memory_plan.py.
@@ -242,11 +243,16 @@ def _lamemo_layers(dm: Dims, p: Params, first_in_window: bool) -> list[list[Bloc
         if i < c.n_layer - 1:   # look-ahead (Eq. 7-9), interpolation (Eq. 10-11) with a graph
             blocks += _attention_blocks(dm, 0, m, m, m, win, m, 1, need_lse=True,
                                         kv_saved=True)
-            ahead = blocks[-1]                                         # (memory rows copied)
+            if i == 0 and first_in_window and not c.pre_lnorm:
+                # Layer 0's memory rows are the carried embeddings themselves (contiguous
+                # since the FIFO copies them: no new tensor); above, the rows of the layer
+                # below's output are copied.
+                blocks[-2].add("qkv", -b * m * c.d_model * s)
+            ahead = blocks[-1]
             ahead.add("lamemo", 3 * b * m * h * 4 + b * m * h * dh * s
                       + (b * m * h * s if s != 4 else 0))              # lse, α, C←
-            if not first_in_window:  # previous segment's log S_mem (its C_mem is a W_o input)
-                ahead.add("lamemo", b * k * h * 4)
+            if not first_in_window:  # previous segment's C_mem and log S_mem (FIFO copies)
+                ahead.add("lamemo", b * m * h * (dh * s + 4))
             _post_attention(ahead, dm, k)                              # W_o, LN over M+L rows
             blocks += _ffn(dm, k, p.ff)
         else:
@@ -332,13 +338,12 @@ def positional_bytes(dm: Dims) -> float:
 def state_bytes(dm: Dims) -> float:
     """One memory state as the model leaves it (module docstring, "Memory state")."""
     c = dm.cfg
-    b, d, s, n, m = dm.rows, c.d_model, dm.s, c.tgt_len, dm.mem_len
+    b, d, s, m = dm.rows, c.d_model, dm.s, dm.mem_len
     if c.mechanism == "rmt":
-        q = 2 * c.rmt.num_mem_tokens + n
         tokens = b * c.rmt.num_mem_tokens * d * s   # the write rows, copied (model/rmt.py)
-        return tokens + (c.n_layer * b * (m + q) * d * s if m else 0)
+        return tokens + (c.n_layer * b * m * d * s if m else 0)
     if m == 0:
         return 0.0
     if c.mechanism == "lamemo" and c.lamemo.look_ahead:
-        return b * (m + n) * (d * s + c.n_layer * c.n_head * (c.d_head * s + 4))
-    return c.n_layer * b * (m + n) * d * s
+        return b * m * (d * s + c.n_layer * c.n_head * (c.d_head * s + 4))
+    return c.n_layer * b * m * d * s

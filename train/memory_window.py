@@ -79,12 +79,13 @@ def window_memory(dm: Dims, p: Params, n_segments: int, checkpoint_segments: boo
     for blk in last:
         for cat, v in blk.parts.items():
             cats[cat] = cats.get(cat, 0.0) + v
-    state = state_bytes(dm)
-    lamemo_ctx = 0.0   # LaMemo's non-top contexts are W_o inputs, saved above
-    if c.mechanism == "lamemo" and c.lamemo.look_ahead and not c.checkpoint_layers:
-        lamemo_ctx = (c.n_layer - 1) * dm.rows * (c.tgt_len + dm.mem_len) * c.n_head * \
-            c.d_head * dm.s
-    new_state = state - lamemo_ctx
+    state = new_state = state_bytes(dm)
+    if c.mechanism == "xl" and c.tgt_len == dm.mem_len and not c.checkpoint_layers:
+        # L = M: each new cache entry IS a layer's input (model/memory.py `_last`), which the
+        # window saves anyway, unless its segment is checkpointed (counted there with state).
+        # Per-layer checkpointing frees a layer's input after that layer's backward, but
+        # this one stays alive as the cache: counted then.
+        new_state = 0.0
     outputs = dm.rows * c.tgt_len * 5 + 5056                 # nll, mask, the CPU RNG state
     held = [sum(blk.held for blk in seg) for seg in seg_blocks]
     saved = held[0] + (n_segments - 1) * held[-1]
