@@ -27,26 +27,26 @@ pytestmark = pytest.mark.slow
 TGT, MEM, STEPS = 8, 16, 5
 
 
-def _tiny(mechanism: str, mem_len: int, compiled: bool, **extra):
+def _tiny(mechanism: str, mem_len: int, compiled: bool, device: str = "cpu", **extra):
     """A tiny model from seed 0 with dropout, its Adam and a seeded data generator."""
     torch.manual_seed(0)
     kw = dict(mechanism=mechanism, vocab_size=32, n_layer=2, d_model=32, n_head=2,
               d_inner=64, dropout=0.1, tgt_len=TGT, mem_len=mem_len, rmt={"num_mem_tokens": 2})
     cfg = ModelConfig(**{**kw, **extra})
-    model = build_model(cfg)
+    model = build_model(cfg).to(device)   # torch.manual_seed seeded the GPUs' generators too
     if compiled:
         compile_core(model)
     return model, torch.optim.Adam(model.parameters(), 1e-3), torch.Generator().manual_seed(3)
 
 
 def _train(mechanism: str, compiled: bool, mem_len: int = MEM, steps: int = STEPS,
-           **extra):
+           device: str = "cpu", **extra):
     """Training steps of a tiny model (dropatt 0.1 unless `extra` says otherwise): (losses,
     graphs compiled by the end of each step, counted from the first, model)."""
-    model, opt, data = _tiny(mechanism, mem_len, compiled, **{"dropatt": 0.1, **extra})
+    model, opt, data = _tiny(mechanism, mem_len, compiled, device, **{"dropatt": 0.1, **extra})
     state, losses, graphs, before = None, [], [], compiled_graphs()
     for _ in range(steps):
-        x, y = torch.randint(0, 32, (2, 4, TGT), generator=data)
+        x, y = torch.randint(0, 32, (2, 4, TGT), generator=data).to(device)
         out = model(x, state, targets=y)
         out.loss.backward()
         opt.step()

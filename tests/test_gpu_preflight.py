@@ -15,6 +15,9 @@ with a reason and check, on a GPU, what no CPU run can (issue 14, items 2 and 4)
    allows it (one read per optimizer step), counted by CUDA itself with
    `torch.cuda.set_sync_debug_mode("warn")`: it also sees waits that the wrappers of that
    file cannot (blocking copies, kernels that read a device value on the host).
+3. `model.compile` on the GPU (Triton kernels) trains with eager's losses and compiles no
+   graph once the memory is full (tests/test_compile.py's training, on the device; its CPU
+   case is that file's own test).
 """
 
 from __future__ import annotations
@@ -153,3 +156,15 @@ def test_training_micro_steps_wait_for_the_device_only_at_the_step_decision(devi
         # copy or hidden read besides them.
         assert len(reported) == counted, (f"CUDA reported {len(reported)} waits, the "
                                           f"wrappers counted {counted}: {reported}")
+
+
+@NO_CUDA
+def test_compiled_training_on_the_gpu_has_the_eager_losses_and_stops_compiling():
+    from test_compile import _train
+    eager, _, _ = _train("xl", False, device="cuda")
+    compiled, graphs, _ = _train("xl", True, device="cuda")
+    assert compiled == pytest.approx(eager, rel=1e-4, abs=1e-5), (
+        "compiled losses differ from eager's on this GPU: if only slightly, other kernels' "
+        "rounding; if from the first step on, the compiled step draws other dropout masks "
+        f"than eager (model/compiled.py, fallback_random): {compiled} vs {eager}")
+    assert graphs[-1] == graphs[-2] > 0, graphs   # the memory is full: no new graph
