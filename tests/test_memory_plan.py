@@ -138,7 +138,8 @@ def test_cli_plans_and_exits_zero_when_it_fits(capsys):
                       "deepspeed.precision=fp16"]) == 0
     out = capsys.readouterr().out
     assert "fits" in out and "largest bptt.depth that fits" in out
-    assert "model states, ZeRO-1" in out and "XL cache 2 x [" in out
+    # The carried cache as the model keeps it: mem_len rows per layer, not mem_len + tgt_len.
+    assert "model states, ZeRO-1" in out and "XL cache 2 x [16, 16, 64]" in out
 
 
 def test_a_compiled_run_is_planned_with_eager_activations_and_says_so(capsys):

@@ -197,16 +197,15 @@ def state_shape(setup: Setup, mem: int) -> str:
     m, b = setup.cfg.model, setup.rows
     if setup.episodes:
         return "none (task samples start fresh)"
+    cache = f"[{b}, {mem}, {m.d_model}]"
     if m.mechanism == "rmt":
-        q = 2 * m.rmt.num_mem_tokens + m.tgt_len
         text = f"RMT memory [{b}, {m.rmt.num_mem_tokens}, {m.d_model}]"
-        return text + (f", XL cache {m.n_layer} x [{b}, {mem}+{q}, {m.d_model}]" if mem else "")
+        return text + (f", XL cache {m.n_layer} x {cache}" if mem else "")
     if mem == 0:
         return "none (mem_len 0)"
-    cache = f"[{b}, {mem}+{m.tgt_len}, {m.d_model}]"
     if m.mechanism == "lamemo" and m.lamemo.look_ahead:
-        return (f"LaMemo embeddings {cache}, {m.n_layer} x contexts + fp32 log-normalisers "
-                f"[{b}, {mem}+{m.tgt_len}, {m.n_head}]")
+        return (f"LaMemo embeddings {cache}, {m.n_layer} x contexts [{b}, {mem}, {m.n_head}, "
+                f"{m.d_head}] + fp32 log-normalisers [{b}, {mem}, {m.n_head}]")
     return f"XL cache {m.n_layer} x {cache}"
 
 
