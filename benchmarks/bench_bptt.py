@@ -49,11 +49,11 @@ from common import (
     DTYPES,
     add_device_args,
     add_model_size_args,
+    finish,
     interleaved,
     status_kib,
     step_clock,
     timed_step,
-    write_json,
 )
 
 from data_pipeline.streams import SegmentBatch
@@ -317,10 +317,7 @@ def main(argv=None) -> int:
         print(f"XL / LaMemo peak MB of one step with a full memory (batch {a.lm_batch}):",
               flush=True)
         results["lm_memory"] = measure_lm_memory(a)
-    results["wall_s"] = time.time() - t0
-    print(f"done in {results['wall_s']:.0f} s")
-    write_json(a.json, results)
-    return 0
+    return finish(a.json, results, t0)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import time
 
 import torch
 from bench_bptt import RMTRunner, add_rmt_args, print_shape, run_child
-from common import interleaved, write_json
+from common import finish, interleaved
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -174,10 +174,7 @@ def main(argv=None) -> int:
             ok = t <= 1.25 and m <= 1.5
             print(f"GOAL {n}: time k={kt} {t:.2f}x (<= 1.25x), peak k={kn} / k={k1} {m:.2f}x "
                   f"(<= 1.5x): {'met' if ok else 'NOT met'}")
-    results["wall_s"] = time.time() - t0
-    print(f"done in {results['wall_s']:.0f} s")
-    write_json(a.json, results)
-    return 0
+    return finish(a.json, results, t0)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ import sys
 import time
 
 import torch
-from common import status_kib, write_json
+from common import finish, status_kib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -358,10 +358,7 @@ def main(argv=None) -> int:
     for part, fn in (("memory", run_memory), ("speed", run_speed), ("ckpt", run_ckpt)):
         if part in parts:
             results[part] = fn(a)
-    results["wall_s"] = time.time() - t0
-    print(f"done in {results['wall_s']:.0f} s")
-    write_json(a.json, results)
-    return 0
+    return finish(a.json, results, t0)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,16 @@ def write_json(path: str | None, results: dict) -> None:
             json.dump(results, f, indent=2)
 
 
+def finish(path: str | None, results: dict, started: float) -> int:
+    """End of a benchmark run: record and print its wall time, write the JSON; exit code 0."""
+    import time
+
+    results["wall_s"] = time.time() - started
+    print(f"done in {results['wall_s']:.0f} s")
+    write_json(path, results)
+    return 0
+
+
 def timed_step(model, seg, state):
     """One segment's forward + backward with the memory carried: (CPU seconds, new state).
     CPU time of this process (all threads), not wall time: on a shared VM, time the
