@@ -46,11 +46,11 @@ import time
 
 import torch
 from common import (
-    DTYPES,
     add_device_args,
     add_model_size_args,
     finish,
     interleaved,
+    model_dtype,
     status_kib,
     step_clock,
     timed_step,
@@ -77,7 +77,7 @@ class RMTRunner:
         torch.manual_seed(seed)
         self.device = torch.device(a.device)
         self.model = build_model(model_config(a, "rmt", 0)).train().to(
-            self.device, getattr(torch, DTYPES[a.dtype]))
+            self.device, model_dtype(a))
         self.clock = step_clock(self.device)
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4) if optimizer else None
         self.a, self.mode, self.k, self.ckpt = a, mode, k, ckpt

@@ -48,7 +48,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import yaml
-from common import DTYPES, add_device_args, add_model_size_args, interleaved, step_clock, write_json
+from common import (
+    add_device_args,
+    add_model_size_args,
+    interleaved,
+    model_dtype,
+    step_clock,
+    write_json,
+)
 
 from data_pipeline.shard_writer import write_manifest, write_token_split
 from data_pipeline.shards import Manifest, id_dtype
@@ -73,7 +80,7 @@ class Stepper:
 
     def __init__(self, model, a):
         self.device = torch.device(a.device)
-        self.model = model.to(self.device, getattr(torch, DTYPES[a.dtype]))
+        self.model = model.to(self.device, model_dtype(a))
         self.a, self.state = a, None
         self.opt = torch.optim.Adam(model.parameters(), 2.5e-4)
         self.data = torch.Generator().manual_seed(1)

@@ -48,7 +48,7 @@ import sys
 import time
 
 import torch
-from common import DTYPES, add_device_args, interleaved, step_clock, write_json
+from common import add_device_args, interleaved, model_dtype, step_clock, write_json
 
 from model import ModelConfig, build_model
 
@@ -93,7 +93,7 @@ class Runner:
         cfg = ModelConfig(mechanism=mechanism, dropout=args.dropout, dropatt=0.0,
                           **shape_config(shape, args.softmax))
         self.device = torch.device(args.device)
-        self.model = build_model(cfg).train().to(self.device, getattr(torch, DTYPES[args.dtype]))
+        self.model = build_model(cfg).train().to(self.device, model_dtype(args))
         for layer in self.model.core.layers:
             layer.attn.impl = kernel
         self.clock = step_clock(self.device)

@@ -52,7 +52,11 @@ def add_device_args(parser) -> None:
     parser.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
 
 
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+def model_dtype(args):
+    """The torch dtype of --dtype."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
 
 
 def write_json(path: str | None, results: dict) -> None:
