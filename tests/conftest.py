@@ -1,4 +1,6 @@
+import fcntl
 import os
+import shutil
 import sys
 
 import pytest
@@ -16,19 +18,43 @@ def zero_run(tmp_path_factory):
     """zero_run(mechanism, stage) -> run directory of a finished 2-rank training run of the
     tiny config (tests/train_helpers.py) at that ZeRO stage, trained once per session and
     shared by the tests that need it (ZeRO equality, re-sharding on resume). Tests that
-    continue a run must copy it first (train_helpers.copy_run)."""
+    continue a run must copy it first (train_helpers.copy_run).
+
+    Under pytest-xdist the workers of one session share them too: the runs live beside the
+    workers' own temporary folders, and a lock makes one worker train a run while another
+    that needs it waits, then reads it."""
     from train_helpers import ZERO_RUN_SECTIONS, run_train, tiny_config
 
-    root = tmp_path_factory.mktemp("zero_runs")
-    done = {}
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = tmp_path_factory.getbasetemp().parent / "zero_runs"   # this session's
+        root.mkdir(exist_ok=True)
+    else:
+        root = tmp_path_factory.mktemp("zero_runs")
 
     def run(mechanism: str, stage: int):
-        if (mechanism, stage) not in done:
-            name = f"{mechanism}-z{stage}"
-            cfg = tiny_config(root, name, deepspeed={"zero_stage": stage},
-                              **ZERO_RUN_SECTIONS[mechanism])
-            run_train(cfg, nproc=2)
-            done[mechanism, stage] = root / "runs" / name
-        return done[mechanism, stage]
+        name = f"{mechanism}-z{stage}"
+        run_dir, finished = root / "runs" / name, root / f"{name}.finished"
+        with (root / "lock").open("a") as lock:   # also guards the shared corpus's creation
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not finished.exists():
+                shutil.rmtree(run_dir, ignore_errors=True)   # a worker's unfinished attempt
+                cfg = tiny_config(root, name, deepspeed={"zero_stage": stage},
+                                  **ZERO_RUN_SECTIONS[mechanism])
+                run_train(cfg, nproc=2)
+                finished.touch()
+        return run_dir
 
     return run
+
+
+
+# Running the suite on several workers (pytest-xdist, `-n 2 --dist loadfile`, as .ci/run
+# does; docs/testing.md): a module is one unit of work, so its module-scoped fixtures (a
+# compiled model, an MLflow server, a SLURM cluster) are built once, on one worker. What is
+# shared across modules shares itself: the SLURM cluster by a machine-wide lock
+# (tests/slurm_cluster.py), the session's ZeRO runs by a lock in the session's folder (above).
+# Modules with slow tests are handed out first, so that the workers end together instead of
+# one running the last long module alone.
+def pytest_collection_modifyitems(config, items):
+    slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module.__name__ not in slow)

@@ -6,22 +6,32 @@ slurmctld and slurmd, waits until the node is idle and returns the environment
 (SLURM_CONF) plus a stop function that kills the daemons by pid. Raises `SlurmUnavailable`
 with the reason when SLURM cannot be started here; `start_cluster_for_test(dir)` turns that
 into a skip, or a failure under MEMTRAIN_REQUIRE_SLURM=1 (CI), where the tests must run.
+
+One cluster per machine at a time: slurmctld and slurmd listen on fixed ports, and a second
+pair fails to bind them (its node then never responds). A cluster holds a machine-wide lock
+from start to stop, so test processes running side by side (the suite's workers, two
+checkouts' suites) take turns instead of breaking each other's cluster.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 
 class SlurmUnavailable(RuntimeError):
     pass
+
+
+LOCK = Path(tempfile.gettempdir()) / "memtrain-tests-slurm.lock"
 
 
 def _run(cmd, env=None, timeout=30):
@@ -47,7 +57,16 @@ def start_cluster(d: Path):
             raise SlurmUnavailable(f"{tool} not installed (apt-get install slurm-wlm munge)")
     if os.geteuid() != 0:
         raise SlurmUnavailable("starting slurmd needs root")
-    d = Path(d).absolute()
+    lock = LOCK.open("a")
+    fcntl.flock(lock, fcntl.LOCK_EX)   # waits while another process has its cluster up
+    try:
+        return _start_locked(Path(d).absolute(), lock)
+    except BaseException:
+        lock.close()                   # closing the file releases the lock
+        raise
+
+
+def _start_locked(d: Path, lock):
     for sub in ("state", "spool", "log"):
         (d / sub).mkdir(parents=True, exist_ok=True)
     probe = _run(["slurmd", "-C"]).stdout
@@ -66,17 +85,26 @@ def start_cluster(d: Path):
         "MailProg=/bin/true", "JobRequeue=1", "KillWait=10",
         f"NodeName=localhost CPUs={cpus} RealMemory={mem} State=UNKNOWN",
         "PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP", ""]))
+
+    def stop() -> None:
+        pids = []
+        for name in ("slurmd.pid", "slurmctld.pid"):
+            with contextlib.suppress(OSError, ValueError):
+                pids.append(int((d / name).read_text()))
+                os.kill(pids[-1], signal.SIGTERM)
+        # The next cluster binds the same ports: hand the lock on only once these are gone.
+        deadline = time.time() + 30
+        while time.time() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.1)
+        lock.close()
+
     env = {**os.environ, "SLURM_CONF": str(conf)}
     _munge()
     for cmd in (["slurmctld", "-f", str(conf)], ["slurmd", "-f", str(conf), "-N", "localhost"]):
         done = _run(cmd, env=env)
         if done.returncode != 0:
+            stop()
             raise SlurmUnavailable(f"{cmd[0]} failed: {done.stderr.strip()}")
-
-    def stop() -> None:
-        for name in ("slurmd.pid", "slurmctld.pid"):
-            with contextlib.suppress(OSError, ValueError):
-                os.kill(int((d / name).read_text()), signal.SIGTERM)
 
     for _ in range(100):
         state = _run(["sinfo", "-h", "-o", "%T"], env=env).stdout.strip()
@@ -85,6 +113,14 @@ def start_cluster(d: Path):
         time.sleep(0.2)
     stop()
     raise SlurmUnavailable(f"node not idle (state {state!r}); see {d}/log")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"   # a daemon that exited but was not reaped holds no port
 
 
 def start_cluster_for_test(d: Path):

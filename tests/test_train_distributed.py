@@ -1,6 +1,7 @@
-"""2 ranks on the CPU (gloo) through DeepSpeed: every ZeRO stage trains XL, LaMemo and RMT
+"""2 ranks on the CPU (gloo) through DeepSpeed: ZeRO-2 and ZeRO-3 train XL, LaMemo and RMT
 (with BPTT and segment checkpointing), and XL with the WikiText-103 configs' tied adaptive
-softmax, exactly like ZeRO-0 (losses, gradient norms, exported weights), ZeRO-3 really
+softmax, and ZeRO-1 trains XL, exactly like ZeRO-0 (losses, gradient norms, exported
+weights), ZeRO-3 really
 partitions, gradients reach k segments back through the engine, exit codes reach the
 launcher, and every launch path works."""
 
@@ -34,7 +35,13 @@ def test_zero_1_2_3_train_exactly_like_zero0_losses_grad_norms_and_exported_weig
         mechanism, zero_run):
     # Same seed, same rows, same windows: partitioning must not change the arithmetic beyond
     # float summation order, in the losses, in the gradients and in the trained weights.
-    runs = {stage: zero_run(mechanism, stage) for stage in (0, 1, 2, 3)}
+    # ZeRO-1 partitions only the optimizer state, which sees one flat list of parameters
+    # whatever the mechanism: XL's run checks it. ZeRO-2 (gradients reduced in buckets as the
+    # backward makes them) and ZeRO-3 (parameters gathered per module, again in the
+    # recompute) meet what the mechanisms differ in: parameters used in every segment of a
+    # window, a softmax tied to the embedding; every mechanism runs them.
+    stages = (0, 1, 2, 3) if mechanism == "xl" else (0, 2, 3)
+    runs = {stage: zero_run(mechanism, stage) for stage in stages}
     for run in runs.values():
         ds = json.loads((run / "ds_config.json").read_text())
         assert ds["train_micro_batch_size_per_gpu"] * 2 == ds["train_batch_size"]  # 2 ranks
@@ -43,7 +50,7 @@ def test_zero_1_2_3_train_exactly_like_zero0_losses_grad_norms_and_exported_weig
     norms = {stage: step_losses(run, "grad_norm") for stage, run in runs.items()}
     weights = {stage: load_file(str(run / "model.safetensors")) for stage, run in runs.items()}
     assert sorted(losses[0]) == list(range(1, 11))
-    for stage in (1, 2, 3):
+    for stage in stages[1:]:
         assert losses[stage] == pytest.approx(losses[0], rel=1e-4), stage
         # The global gradient norm before clipping: DeepSpeed's over all ranks' shards at
         # ZeRO-1/2/3, the trainer's own over the all-reduced gradients at ZeRO-0.
@@ -58,7 +65,7 @@ def test_zero_1_2_3_train_exactly_like_zero0_losses_grad_norms_and_exported_weig
     first = sum(losses[0][s] for s in (1, 2, 3)) / 3
     last = sum(losses[0][s] for s in (8, 9, 10)) / 3
     assert last < first - 0.15
-    assert max(norms[1].values()) > 0
+    assert max(norms[stages[1]].values()) > 0
 
 
 @pytest.mark.parametrize("stage", [2, 3])
