@@ -252,8 +252,9 @@ def test_checkpointed_layers_compile_per_layer_call_with_the_eager_losses(layer_
     # Each layer call is compiled inside its (eager) checkpoint. The 3 layers share their
     # graphs: one per memory length (0, 8). LaMemo's memory length 8 takes three kinds of
     # call: the bottom layer (its memory, the cached embeddings, has no gradient), the
-    # middle one and the top one. A graph per layer would make 3x as many; a graph limit
-    # that did not count LaMemo's three kinds would stop it at fewer (the run's limit is 1).
+    # middle one and the top one. A graph per layer would make 3x as many. The run's limit
+    # is 1: without compile_core raising it every count stops at 1; raised by one graph per
+    # length only (no room for the kinds of call), RMT's stops short (measured).
     eager, compiled, graphs, breaks = layer_runs[mechanism]
     assert breaks == 0   # each layer call is one whole graph
     assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
