@@ -87,19 +87,24 @@ def _train(mechanism: str, compiled: bool, mem_len: int = MEM, steps: int = STEP
     return losses, graphs, model
 
 
-@pytest.fixture(scope="module")
-def runs():
-    """Each mechanism trained eager and compiled, the compiled run under a graph limit of 1:
-    its two memory lengths need two graphs of the same function."""
-    torch._dynamo.reset()   # count this module's graphs only
+def _eager_and_compiled(**extra) -> dict:
+    """Each mechanism trained eager and compiled, the compiled run under a graph limit of 1
+    (its two memory lengths need at least two graphs of one function): {mechanism: (eager
+    losses, compiled losses, graphs per step, compiled model, graph breaks)}."""
+    torch._dynamo.reset()   # count these runs' graphs only, not earlier tests' for the same code
     out = {}
     for mechanism in ("xl", "lamemo", "rmt"):
-        eager, _, _ = _train(mechanism, False)
+        eager, _, _ = _train(mechanism, False, **extra)
         breaks = graph_breaks()
         with graph_limit(1):
-            losses, graphs, model = _train(mechanism, True)
+            losses, graphs, model = _train(mechanism, True, **extra)
         out[mechanism] = (eager, losses, graphs, model, graph_breaks() - breaks)
     return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return _eager_and_compiled()
 
 
 @pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt"])
@@ -233,17 +238,8 @@ LAYERS = {"checkpoint_layers": True, "n_layer": 3}
 
 @pytest.fixture(scope="module")
 def layer_runs():
-    """Each mechanism with checkpoint_layers trained eager and compiled per layer call, the
-    compiled run under a graph limit of 1."""
-    torch._dynamo.reset()   # graphs compiled by earlier tests for the same code
-    out = {}
-    for mechanism in ("xl", "lamemo", "rmt"):
-        eager, _, _ = _train(mechanism, False, **LAYERS)
-        breaks = graph_breaks()
-        with graph_limit(1):
-            compiled, graphs, _ = _train(mechanism, True, **LAYERS)
-        out[mechanism] = (eager, compiled, graphs, graph_breaks() - breaks)
-    return out
+    """The same with checkpoint_layers: compiled per layer call."""
+    return _eager_and_compiled(**LAYERS)
 
 
 @pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt"])
@@ -255,7 +251,7 @@ def test_checkpointed_layers_compile_per_layer_call_with_the_eager_losses(layer_
     # middle one and the top one. A graph per layer would make 3x as many. The run's limit
     # is 1: without compile_core raising it every count stops at 1; raised by one graph per
     # length only (no room for the kinds of call), RMT's stops short (measured).
-    eager, compiled, graphs, breaks = layer_runs[mechanism]
+    eager, compiled, graphs, _, breaks = layer_runs[mechanism]
     assert breaks == 0   # each layer call is one whole graph
     assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
     assert len(set(eager)) == STEPS
