@@ -8,9 +8,9 @@
     python benchmarks/bench_compile.py --parts model --checkpoint-layers --mechanisms xl,lamemo
     python benchmarks/bench_compile.py --parts model --device cuda --dtype bf16   # on a GPU
 
-Shape (issue 14): 4 layers, d_model 256, 4 heads, d_inner 1024, 256 symbols, segment 128,
-memory 128, batch 8, dropout 0.1, fp32, 2 threads. RMT: 10 memory tokens and an XL cache of
-128 (the bare-model part), full BPTT over 2 segments (the train part).
+Shape (BENCHMARKS.md, "Compiled training step"): 4 layers, d_model 256, 4 heads, d_inner 1024, 256
+symbols, segment 128, memory 128, batch 8, dropout 0.1, fp32, 2 threads. RMT: 10 memory tokens and
+an XL cache of 128 (the bare-model part), full BPTT over 2 segments (the train part).
 
 Parts:
   model    bare model (forward, backward, Adam) in ONE process: eager, compiled with eager

@@ -12,7 +12,7 @@ OMP_WAIT_POLICY=PASSIVE: on a shared machine an OpenMP thread whose partner is d
 spins at the barrier and the spin is charged as process CPU time; passive waiting charges
 only work (the wall time does not matter here).
 
-Shapes (issue 14, item 4):
+Shapes (BENCHMARKS.md, "LaMemo ÷ Transformer-XL time per token"):
 - wt103: the Transformer-XL WikiText-103 base (configs/wt103-xl-base.yaml): 16 layers,
   d_model 410, 10 heads x 41, d_inner 2100, segment 150, memory 150, adaptive softmax over
   267,735 words (cutoffs 20000/40000/200000, div_val 1, tied weights and tail projections),

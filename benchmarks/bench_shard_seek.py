@@ -1,5 +1,6 @@
 """Bytes a stream row reads from its shard to reach its start: seek (chunk offsets in the
-manifest) vs the linear scan of manifests written without them (issue 13).
+manifest) vs the linear scan of manifests written without them (BENCHMARKS.md,
+"Data pipeline: bytes a row reads to reach its start").
 
     python benchmarks/bench_shard_seek.py                  # 2 shards of 64 x 1M-token chunks
     python benchmarks/bench_shard_seek.py --chunk-tokens 262144 --rows 64   # quicker

@@ -1,4 +1,5 @@
-"""Host synchronisations per training step through `memtrain train` (issue 14, item 2).
+"""Host synchronisations per training step through `memtrain train` (BENCHMARKS.md,
+"Host synchronisations per micro-step").
 
 Runs `train.trainer.train` in this process (a world of one, the real DeepSpeed engine on CPU,
 XL / LaMemo / RMT, a 2-layer word-level model with an adaptive softmax) with the counters of

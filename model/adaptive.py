@@ -123,12 +123,11 @@ class AdaptiveEmbedding(nn.Module):
         flat = tokens.reshape(-1)
         out = None
         for i in range(self.n_clusters):
-            # Masked, fixed shapes (no host sync, issue 14): every position looks up every
-            # cluster (the others read entry 0) and torch.where keeps its own cluster's
-            # row. Costs N x sum(d_i x d_proj) MACs instead of sum(N_i x d_i x d_proj),
-            # small beside one layer. Out-of-range ids still reach a lookup and raise. Every
-            # parameter stays in the graph (zero gradient for an empty cluster), so DDP
-            # needs no find_unused_parameters.
+            # Masked, fixed shapes (no host sync, tests/test_sync_free.py): every position looks up
+            # every cluster (the others read entry 0) and torch.where keeps its own cluster's row.
+            # Costs N x sum(d_i x d_proj) MACs instead of sum(N_i x d_i x d_proj), small beside one
+            # layer. Out-of-range ids still reach a lookup and raise. Every parameter stays in the
+            # graph (zero gradient for an empty cluster), so DDP needs no find_unused_parameters.
             mask = _cluster_mask(flat, self.ends, i)
             local = torch.where(mask, flat - self.ends[i], torch.zeros_like(flat))
             emb_i = F.linear(self.emb_layers[i](local), self.emb_projs[i])
@@ -230,7 +229,7 @@ class AdaptiveSoftmax(nn.Module):
         rows = None
         if self.n_clusters > 1 and target.device.type == "cpu":
             # Targets from the host (the training step passes them so, train/bptt.py):
-            # routed there, no device sync (issue 14).
+            # routed there, no device sync (tests/test_sync_free.py).
             rows = _host_cluster_rows(target, self.ends, hidden.device)
         # Targets may come from the host: the gathers read a non-blocking device copy.
         target = target.to(hidden.device, non_blocking=True)

@@ -156,7 +156,7 @@ class LaMemo(RelativeBackbone):
             if self.opts.interpolate:
                 # Eq. 11 in log space: α = s→ / (s→ + s← + ε).
                 # A fill on the device (torch.tensor(x, device=) copies from the host and
-                # waits for the copy: a sync per layer and step on a GPU, issue 14).
+                # waits for the copy: a sync per layer and step on a GPU; tests/test_sync_free.py).
                 log_eps = torch.full((), math.log(self.opts.eps), device=ln_old.device)
                 alpha = torch.exp(ln_old - torch.logaddexp(ln_mix, log_eps))
             else:

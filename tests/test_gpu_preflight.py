@@ -6,7 +6,7 @@ Run this file on one GPU node before a long job (docs/cluster.md, checklist):
 
 Every test runs once per device present. On this project's CPU machine only the "cpu" cases
 run (they check the tests' own harness on the same code path); the "cuda" cases are skipped
-with a reason and check, on a GPU, what no CPU run can (issue 14, items 2 and 4):
+with a reason and check, on a GPU, what no CPU run can (docs/cluster.md, checklist item 9):
 
 1. XL's training attention with a head that no fused kernel takes as is (d_head 41, the
    WikiText-103 configs' 410 / 10) runs in the memory-efficient SDPA kernel, the only

@@ -1,4 +1,5 @@
-"""Host synchronisations in the training hot path, counted rather than read (issue 14, item 2).
+"""Host synchronisations in the training hot path, counted rather than read
+(BENCHMARKS.md, "Host synchronisations per micro-step").
 
 Every call that makes the host wait for a device result is wrapped with a counter:
 `Tensor.item/tolist/cpu/numpy`, `bool()/float()/int()/index` of a tensor, `nonzero`
@@ -270,7 +271,7 @@ def test_host_routing_picks_the_rows_nonzero_picks_out_of_range_ids_included():
 
 
 def _reference_nll(sm: AdaptiveSoftmax, hidden, target):
-    """The adaptive softmax's nll as it was before issue 14 (nonzero routing)."""
+    """The adaptive softmax's nll as it was before it went sync-free (nonzero routing)."""
     from model.adaptive import _cluster_mask, _fp32
     params = sm._cluster_params()
     head = torch.nn.functional.log_softmax(_fp32(sm._logits(hidden, 0, params)), dim=-1)
@@ -289,7 +290,8 @@ def _reference_nll(sm: AdaptiveSoftmax, hidden, target):
 
 
 def _reference_embedding(emb: AdaptiveEmbedding, tokens):
-    """The adaptive input as it was before issue 14 (nonzero routing, index_copy)."""
+    """The adaptive input as it was before it went sync-free (nonzero routing,
+    index_copy)."""
     from model.adaptive import _cluster_mask
     if emb.div_val == 1:
         return emb(tokens)  # one table: unchanged

@@ -6,7 +6,7 @@ Per optimizer step, each of the `grad_accum` micro-steps runs one BPTT window (b
 makes exactly one backward. The loss sums and a non-finite flag stay on the device; after the
 backward of the step's last micro-step (of every micro-step under fp16), one all-reduce
 gathers them with a stop flag (SIGTERM / SIGUSR1) and is read once: the step's only host
-sync (issue 14; tests/test_sync_free.py counts them), so every rank takes the same decision at
+sync (tests/test_sync_free.py counts them), so every rank takes the same decision at
 the same step boundary: skip under fp16 loss scaling, stop cleanly otherwise, or checkpoint
 and leave.
 """
@@ -147,9 +147,9 @@ class TrainingLoop:
                 "data, or train in bf16 (A100) or fp32") from err
 
     def _read_flags(self) -> tuple[float, float, float, float, float]:
-        """THE host sync of a training step (issue 14): one all-reduce of [nll sum, counted
-        tokens, non-finite ranks, stop ranks, new tokens] and one read of it. It cannot go:
-        every rank must stop (signal) at the same step, fp32/bf16 must stop before the
+        """THE host sync of a training step (tests/test_sync_free.py): one all-reduce of [nll
+        sum, counted tokens, non-finite ranks, stop ranks, new tokens] and one read of it. It
+        cannot go: every rank must stop (signal) at the same step, fp32/bf16 must stop before the
         update a non-finite loss would make, and under fp16 the next window's memory
         depends on it (after_nonfinite). It is read after the backward, so the device has
         the whole forward + backward queued while the host waits; the loss sums ride along
