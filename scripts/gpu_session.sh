@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# What a first session on one GPU runs, in order (docs/cluster.md, "First GPU session"):
+#   1. device facts (nvidia-smi, torch, CUDA, bf16 support);
+#   2. the GPU preflight, tests/test_gpu_preflight.py (its "cuda" cases);
+#   3. the quickstart in fp32, bf16 and fp16 through the whole engine (DeepSpeed, one rank),
+#      and in bf16 and fp16 once more, stopped by SIGTERM at step STOP_AT and resumed by the
+#      same command: the final test losses of all five and the stopped runs' losses after
+#      the stop against the uninterrupted runs';
+#   4. optionally (BENCH=1) the "On a GPU" benchmarks of BENCHMARKS.md.
+# Steps 2 and 3 run side by side (16 host cores are enough; their timings are not reported).
+#
+#   bash scripts/gpu_session.sh [OUT_DIR]        # PY=python to use (default .venv/bin/python)
+#
+# OUT_DIR gets preflight.log, quickstart.log, summary.txt and runs.tar.gz (each run's
+# metrics.jsonl, eval_report.json, status.json, config.yaml and ds_config.json).
+set -u
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PY:-$REPO/.venv/bin/python}
+OUT=$(mkdir -p "${1:-gpu-session}" && cd "${1:-gpu-session}" && pwd)
+STOP_AT=${STOP_AT:-300}
+RUN_TIMEOUT=${RUN_TIMEOUT:-400}   # seconds for one quickstart run
+EXTRA=${EXTRA:-}   # more overrides for every quickstart run (a shorter CPU rehearsal)
+WORK=$(mktemp -d)
+export PYTHONUNBUFFERED=1 PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+cd "$REPO" || exit 1
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
+  "$PY" -c 'import torch, deepspeed; print("torch", torch.__version__, "cuda", torch.version.cuda,
+"deepspeed", deepspeed.__version__, "device", torch.cuda.get_device_name(0),
+"capability", torch.cuda.get_device_capability(0), "bf16", torch.cuda.is_bf16_supported())'
+} 2>&1 | tee "$OUT/summary.txt"
+
+"$PY" -m pytest tests/test_gpu_preflight.py -v -p no:cacheprovider -rA \
+  >"$OUT/preflight.log" 2>&1 &
+preflight=$!
+
+train() {  # train NAME OVERRIDES...: one quickstart run in $WORK, its output in $WORK/NAME.log
+  local name=$1; shift
+  (cd "$WORK" && timeout "$RUN_TIMEOUT" "$PY" -m memtrain.cli train --config quickstart name="$name" \
+     data.path="data/$name" tracking.enabled=false $EXTRA "$@") >>"$WORK/$name.log" 2>&1
+}
+
+stop_and_resume() {  # stop_and_resume NAME OVERRIDES...: SIGTERM at step STOP_AT, then again
+  local name=$1; shift
+  (cd "$WORK" && exec timeout "$RUN_TIMEOUT" "$PY" -m memtrain.cli train --config quickstart \
+     name="$name" data.path="data/$name" tracking.enabled=false $EXTRA "$@") \
+     >>"$WORK/$name.log" 2>&1 &
+  local pid=$!
+  until grep -q "\"step\": $STOP_AT, .*\"loss\"" "$WORK/runs/$name/metrics.jsonl" 2>/dev/null; do
+    kill -0 $pid 2>/dev/null || break
+    sleep 0.2
+  done
+  kill -TERM $pid 2>/dev/null
+  wait $pid
+  echo "=== stopped: exit $?, status $(tr -d ' \n' <"$WORK/runs/$name/status.json")" \
+    >>"$WORK/$name.log"
+  train "$name" "$@"
+}
+
+pids=()
+train q-fp32 & pids+=($!)
+train q-bf16 deepspeed.precision=bf16 & pids+=($!)
+train q-fp16 deepspeed.precision=fp16 & pids+=($!)
+stop_and_resume q-bf16-stop deepspeed.precision=bf16 & pids+=($!)
+stop_and_resume q-fp16-stop deepspeed.precision=fp16 & pids+=($!)
+wait "${pids[@]}"
+for f in "$WORK"/q-*.log; do echo "##### $f"; cat "$f"; done >"$OUT/quickstart.log"
+
+"$PY" - "$WORK/runs" "$STOP_AT" <<'EOF' 2>&1 | tee -a "$OUT/summary.txt"
+import json, sys
+from pathlib import Path
+runs, stop_at = Path(sys.argv[1]), int(sys.argv[2])
+def losses(name):
+    p = runs / name / "metrics.jsonl"
+    rows = [json.loads(x) for x in p.read_text().splitlines()] if p.exists() else []
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+def report(name):
+    p = runs / name / "eval_report.json"
+    return json.loads(p.read_text()) if p.exists() else None
+for name in ("q-fp32", "q-bf16", "q-fp16", "q-bf16-stop", "q-fp16-stop"):
+    status = (runs / name / "status.json")
+    print(name, "status:", json.loads(status.read_text()) if status.exists() else None)
+    print("  eval report:", json.dumps(report(name)))
+for stopped, whole in (("q-bf16-stop", "q-bf16"), ("q-fp16-stop", "q-fp16")):
+    a, b = losses(stopped), losses(whole)
+    # The first line logged after the stop averages only the steps run since the resume.
+    common = [s for s in sorted(set(a) & set(b)) if not stop_at < s <= stop_at + 100]
+    diffs = [abs(a[s] - b[s]) for s in common]
+    final = [(report(n) or {}).get("main", {}).get("loss") for n in (stopped, whole)]
+    print(f"{stopped} vs {whole}: logged steps {common}, max |loss difference| "
+          f"{max(diffs) if diffs else None}; final test loss {final[0]} vs {final[1]}")
+EOF
+(cd "$WORK/runs" && tar czf "$OUT/runs.tar.gz" */metrics.jsonl */eval_report.json \
+   */status.json */config.yaml */ds_config.json 2>/dev/null)
+
+wait $preflight
+echo "preflight exit $?: $(tail -1 "$OUT/preflight.log")" | tee -a "$OUT/summary.txt"
+
+if [ "${BENCH:-0}" = 1 ]; then
+  {
+    timeout 150 "$PY" benchmarks/bench_lamemo_cost.py --shape wt103 --batch 8 --device cuda \
+      --dtype bf16
+    timeout 150 "$PY" benchmarks/bench_compile.py --parts model --device cuda --dtype bf16
+    timeout 200 "$PY" benchmarks/bench_recompute.py --parts recompute --device cuda \
+      --dtype bf16 --policies full,save-ffn-out:2,save-ffn-out,save-linear --keep-last 1 \
+      --recompute-time-depths 4,16 --recompute-memory-depths 1,16
+  } >"$OUT/bench.log" 2>&1
+fi
+rm -rf "$WORK"
