@@ -29,6 +29,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 BPTT_MODES = ("window", "sliding")
 SCHEDULES = ("cosine", "linear", "constant", "plateau")
 PRECISIONS = ("fp32", "bf16", "fp16")
+GRAD_DTYPES = ("fp32", "half")  # half: the run's precision (bf16 or fp16)
 OPTIMIZERS = ("adam", "adamw")
 CURRICULUM_ADVANCE = ("steps", "accuracy")
 
@@ -151,6 +152,13 @@ class DeepSpeedSection:
     zero_stage: int | None = None    # overrides zero_optimization.stage
     precision: str = "fp32"          # fp32 (CPU), bf16 (A100), fp16 with loss scaling (V100)
     grad_accum: int = 1              # micro-steps (windows) per optimizer step
+    # Under bf16/fp16, the dtype gradients are summed in: across micro-steps
+    # (data_types.grad_accum_dtype) and across ranks (communication_data_type). fp32 by
+    # default: a sum of 32 ranks' bf16 gradients keeps 8 bits of mantissa (train/precision.py).
+    grad_dtype: str = "fp32"
+    # fp32 runs on Ampere or newer GPUs multiply matrices in TF32 (10-bit mantissa inputs, fp32
+    # sums); false keeps full fp32 matmuls. No effect on the CPU or under bf16/fp16.
+    tf32: bool = True
     overrides: dict = field(default_factory=dict)  # merged into the JSON last
 
 
@@ -308,6 +316,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     s = cfg.deepspeed
     _check(s.precision in PRECISIONS, "deepspeed.precision", f"unknown {s.precision!r}; "
            f"choose {', '.join(PRECISIONS)}")
+    _check(s.grad_dtype in GRAD_DTYPES, "deepspeed.grad_dtype", f"unknown {s.grad_dtype!r}; "
+           f"choose {', '.join(GRAD_DTYPES)} (the dtype half-precision gradients are summed in)")
     _check(s.zero_stage is None or s.zero_stage in (0, 1, 2, 3), "deepspeed.zero_stage",
            f"must be 0, 1, 2 or 3, got {s.zero_stage}")
     _check(s.grad_accum >= 1, "deepspeed.grad_accum", f"must be >= 1, got {s.grad_accum}")

@@ -20,6 +20,7 @@ from data_pipeline.streams import rows_of_rank
 from model.compiled import compile_core
 
 from .config import RunConfig, resolve_path
+from .precision import precision_sections
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -47,11 +48,13 @@ def build_ds_config(cfg: RunConfig, world_size: int, *, load_universal: bool = F
     ds["steps_per_print"] = ds.get("steps_per_print", 10**9)
     if s.zero_stage is not None:
         ds.setdefault("zero_optimization", {})["stage"] = s.zero_stage
-    ds["bf16"] = {**ds.get("bf16", {}), "enabled": s.precision == "bf16"}
-    # fp16 (V100): dynamic loss scaling; an overflowing step is skipped by DeepSpeed.
-    fp16 = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
-            "hysteresis": 2, "min_loss_scale": 1}
-    ds["fp16"] = {**fp16, **ds.get("fp16", {}), "enabled": s.precision == "fp16"}
+    # The run config's precision wins over the JSON's; the JSON's other keys (loss-scale
+    # window, ...) stay, and deepspeed.overrides can still change anything.
+    precision = precision_sections(s, zero_stage(ds))
+    for key in ("bf16", "fp16"):
+        enabled = precision.pop(key)
+        ds[key] = {**enabled, **ds.get(key, {}), "enabled": enabled["enabled"]}
+    ds = _merge(ds, precision)
     ds = _merge(ds, s.overrides)
     if load_universal:
         ds.setdefault("checkpoint", {})["load_universal"] = True

@@ -19,11 +19,48 @@ from model import ConfigError, ModelConfig, build_model, save_model
 from .checkpoint import CheckpointInfo
 
 
+def _load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _optimizer_files(info: CheckpointInfo) -> list[Path]:
+    """Each rank's optimizer file (`zero_pp_rank_R_...`, `bf16_zero_pp_rank_R_...`), in
+    rank order."""
+    files = info.path.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt")
+    return sorted(files, key=lambda f: int(f.name.split("zero_pp_rank_")[1].split("_")[0]))
+
+
+def _bf16_optimizer_state_dict(info: CheckpointInfo, files: list[Path]) -> dict:
+    """The fp32 master weights of DeepSpeed's bf16 optimizer (bf16 at ZeRO-1 with fp32
+    gradient sums, deepspeed/runtime/bf16_optimizer.py). It partitions each parameter
+    group's flat fp32 copy over the ranks as ZeRO-1 does (the parameters back to back, the
+    group padded at its end to a multiple of the ranks), but its files carry no `zero_stage`,
+    which DeepSpeed's zero_to_fp32 requires. So: the ranks' partitions in rank order, the
+    padding dropped, cut at the parameters' shapes (the model file's `param_shapes`)."""
+    states = _load(info.path / "mp_rank_00_model_states.pt")
+    parts = [_load(f)["optimizer_state_dict"]["single_partition_of_fp32_groups"]
+             for f in files]
+    out = {}
+    for g, shapes in enumerate(states["param_shapes"]):
+        flat = torch.cat([part[g] for part in parts])
+        numels = [shape.numel() for shape in shapes.values()]
+        if sum(numels) > flat.numel():
+            raise ValueError(f"{info.path}: the optimizer files hold {flat.numel()} values of "
+                             f"group {g}, its parameters need {sum(numels)}")
+        for (name, shape), piece in zip(shapes.items(), flat.split(numels), strict=False):
+            out[name] = piece.view(shape).clone()
+    buffers = set(states.get("buffer_names", []))
+    out.update({k: v.float() for k, v in states["module"].items() if k in buffers})
+    return out
+
+
 def fp32_state_dict(info: CheckpointInfo) -> dict[str, torch.Tensor]:
     if info.zero_stage == 0:
-        states = torch.load(info.path / "mp_rank_00_model_states.pt", map_location="cpu",
-                            weights_only=False)
+        states = _load(info.path / "mp_rank_00_model_states.pt")
         return {k: v.float() for k, v in states["module"].items()}
+    files = _optimizer_files(info)
+    if files and "zero_stage" not in _load(files[0])["optimizer_state_dict"]:
+        return _bf16_optimizer_state_dict(info, files)
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     # It prints its progress; stdout belongs to our commands' results (tables, JSON, text).
     with contextlib.redirect_stdout(sys.stderr):

@@ -31,6 +31,7 @@ from .distributed import (
 from .engine import build_ds_config, initialize, zero_stage
 from .evaluate import protocol_for
 from .loop import NonFiniteLoss, TrainingLoop
+from .precision import check_precision, configure_matmul
 from .resume import restore
 from .run_dir import RUNNING, RunDir, atomic_write_json, atomic_write_text
 from .tracking import Tracker
@@ -51,9 +52,7 @@ def check_run(cfg: RunConfig, world_size: int, device: torch.device) -> None:
         rows_of_rank(cfg.eval.batch or cfg.data.global_batch, 0, world_size)
     except LayoutError as err:
         raise ConfigError("eval.batch", str(err)) from None
-    if cfg.deepspeed.precision != "fp32" and device.type != "cuda":
-        raise ConfigError("deepspeed.precision", f"{cfg.deepspeed.precision} is for GPUs "
-                          "(bf16 on A100, fp16 with loss scaling on V100); use fp32 on CPU")
+    check_precision(cfg.deepspeed.precision, device)
 
 
 def open_data(cfg: RunConfig, rank: int):
@@ -95,6 +94,10 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     init_process_group(env, timeout_minutes=cfg.distributed.timeout_minutes)
     device = device_for(env.local_rank)
     check_run(cfg, env.world_size, device)
+    numerics = configure_matmul(cfg.deepspeed.precision, cfg.deepspeed.tf32, device,
+                                env.is_main)
+    if env.is_main:
+        print(f"memtrain: training in {numerics}", flush=True)
     run = RunDir(cfg.resolved_run_dir)
     run_dir, ckpt_root = run.path, run.checkpoints
     if env.is_main:
