@@ -2,18 +2,25 @@
 GPU when the site binds one per task (CUDA_VISIBLE_DEVICES of length 1), cuda:LOCAL_RANK
 when the whole node is visible, a clear error when two ranks would share one; and the CUDA
 RNG of a checkpoint is the rank's own device's, so a checkpoint saved where a node showed
-8 GPUs resumes where it shows 1."""
+8 GPUs resumes where it shows 1. DeepSpeed, which takes cuda:LOCAL_RANK wherever it needs the
+rank's device, is handed the same GPU (a fake accelerator records what it asks for)."""
 
 import random
 from types import SimpleNamespace
 
+import deepspeed.comm.comm as ds_comm
 import numpy as np
 import pytest
 import torch
+from deepspeed.accelerator import real_accelerator
+from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+from train_helpers import free_port, tiny_config
 
+from model import build_model
 from train import checkpoint as ckpt
 from train import distributed
-from train.config import ConfigError
+from train.config import ConfigError, load_config
+from train.engine import build_ds_config, initialize
 
 
 class FakeCuda:
@@ -135,3 +142,106 @@ def test_cpu_rng_states_still_restore_exactly():
     after = (torch.rand(5), np.random.rand(3), random.random())
     assert torch.equal(before[0], after[0]) and np.array_equal(before[1], after[1])
     assert before[2] == after[2]
+
+
+class RecordingAccelerator(CPU_Accelerator):
+    """DeepSpeed's accelerator on a node with GPUs, recording every device index DeepSpeed
+    asks it to set or name. Tensors stay on the CPU (this machine has no GPU); `cuda_name`
+    makes it answer 'cuda' where DeepSpeed asks which kind of device it runs on, as its
+    CUDA accelerator does."""
+
+    def __init__(self, cuda_name: bool = False):
+        super().__init__()
+        self.indices: list[int] = []
+        self.cuda_name = cuda_name
+
+    def _record(self, index):
+        # An int, a string ("5", from os.environ), or a torch.device this accelerator named
+        # (already recorded then: it names the CPU, which has no index).
+        if isinstance(index, torch.device):
+            index = index.index
+        if index is not None:
+            self.indices.append(int(index))
+
+    def device_name(self, device_index=None):
+        self._record(device_index)
+        return "cuda" if self.cuda_name and device_index is None else "cpu"
+
+    def device(self, device_index=None):
+        self._record(device_index)
+        return torch.device("cuda", int(device_index)) if self.cuda_name else None
+
+    def set_device(self, device_index):
+        self._record(device_index)
+
+
+def _one_gpu_per_task(monkeypatch, world_size: int, cuda_name: bool = False):
+    """Rank 0 of `world_size` with local rank 5, bound by the site to one GPU (physical GPU
+    3, seen as device 0), with DeepSpeed's accelerator recording."""
+    for key, value in {"RANK": "0", "WORLD_SIZE": str(world_size), "LOCAL_RANK": "5",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                       "CUDA_VISIBLE_DEVICES": "3", "MEMTRAIN_LOCAL_RANK": "5"}.items():
+        monkeypatch.setenv(key, value)      # restored after the test (bind_gpu rewrites two)
+    cuda = FakeCuda(1).install(monkeypatch)
+    accel = RecordingAccelerator(cuda_name)
+    monkeypatch.setattr(real_accelerator, "ds_accelerator", accel)
+    monkeypatch.setattr(ds_comm, "cdb", None)           # no DeepSpeed backend from before
+    env = distributed.DistEnv(0, world_size, 5, "127.0.0.1", 0, "slurm")
+    return env, cuda, accel
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_deepspeed_binds_the_process_group_to_the_single_visible_gpu(monkeypatch):
+    """deepspeed.init_distributed gives torch's init_process_group device_id=cuda:LOCAL_RANK
+    (deepspeed/comm/torch.py) when the world has more than one rank."""
+    env, cuda, accel = _one_gpu_per_task(monkeypatch, world_size=2, cuda_name=True)
+    seen = {}
+
+    def init_process_group(backend=None, init_method=None, timeout=None, world_size=-1,
+                           rank=-1, store=None, group_name="", pg_options=None,
+                           device_id=None):
+        seen.update(backend=backend, device_id=device_id)
+        raise _Stop                      # the rendezvous itself is not what is tested
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    with pytest.raises(_Stop):
+        distributed.init_process_group(env)
+    assert seen == {"backend": "nccl", "device_id": torch.device("cuda", 0)}
+    assert accel.indices == [0] and cuda.current == 0
+
+
+def test_deepspeed_engine_and_zero3_use_the_single_visible_gpu(monkeypatch, tmp_path):
+    """deepspeed.initialize at ZeRO-3 sets and names the engine's device from LOCAL_RANK
+    (runtime/engine.py) and again in zero.Init (runtime/zero/partition_parameters.py)."""
+    env, cuda, accel = _one_gpu_per_task(monkeypatch, world_size=1)
+    cfg = load_config(tiny_config(tmp_path), ["deepspeed.zero_stage=3"])
+    # No NCCL here: a gloo group of one, which deepspeed.init_distributed then adopts.
+    torch.distributed.init_process_group("gloo", init_method="env://", rank=0, world_size=1)
+    try:
+        distributed.init_process_group(env)
+        assert distributed.device_for(env.local_rank) == torch.device("cuda", 0)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # tensors: CPU
+        engine, _ = initialize(build_model(cfg.model), cfg, build_ds_config(cfg, 1))
+    finally:
+        torch.distributed.destroy_process_group()
+    # The engine's set_device and device_name, then zero.Init's device_name (its set_device
+    # is given the device so named).
+    assert accel.indices == [0, 0, 0], accel.indices
+    assert engine.local_rank == 0 and cuda.current == 0
+
+
+def test_older_checkpoints_rng_follows_the_launchers_local_rank_after_binding(monkeypatch):
+    """bind_gpu rewrites LOCAL_RANK for DeepSpeed; a checkpoint holding every visible GPU's
+    RNG (earlier versions) still resumes the state of the GPU the rank drew on."""
+    env, _, _ = _one_gpu_per_task(monkeypatch, world_size=1)
+    assert distributed.bind_gpu(env) == 0
+    legacy = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+              "python": random.getstate(),
+              "cuda": [torch.full((16,), 10 + i, dtype=torch.uint8) for i in range(8)]}
+    one = FakeCuda(1).install(monkeypatch)
+    ckpt.set_rng_state(legacy)
+    assert torch.equal(one.states[0], legacy["cuda"][5])

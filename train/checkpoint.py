@@ -84,8 +84,10 @@ def set_rng_state(state: dict) -> None:
         return
     if isinstance(cuda, (list, tuple)):
         # Saved by earlier versions: one state per GPU the node showed, of which the rank
-        # drew on cuda:LOCAL_RANK. Take that one whatever this node shows.
-        local = int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+        # drew on cuda:LOCAL_RANK. Take that one whatever this node shows: the launcher's
+        # local rank, which distributed.bind_gpu keeps when it rewrites LOCAL_RANK.
+        local = int(os.environ.get("MEMTRAIN_LOCAL_RANK")
+                    or os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
         if local >= len(cuda):
             return
         cuda = cuda[local]

@@ -265,19 +265,64 @@ def device_for(local_rank: int) -> torch.device:
     return torch.device("cuda", index)
 
 
+# The launcher's local rank, kept when LOCAL_RANK is rewritten for DeepSpeed (bind_gpu).
+LAUNCHER_LOCAL_RANK = "MEMTRAIN_LOCAL_RANK"
+
+
+def bind_gpu(env: DistEnv) -> int | None:
+    """Take this rank's GPU (gpu_index) before DeepSpeed looks for one; its index, or None
+    without CUDA.
+
+    DeepSpeed 0.19.8 does not ask which GPU a rank uses: wherever it needs the rank's
+    device it reads LOCAL_RANK from the environment and takes cuda:LOCAL_RANK, which is
+    right only when the rank sees its whole node. Where a site binds one GPU per task
+    (CUDA_VISIBLE_DEVICES=3, LOCAL_RANK=5, one visible device) each of these asks for a
+    device that does not exist ("invalid device ordinal"):
+    - deepspeed.init_distributed: torch's init_process_group gets
+      device_id=cuda:LOCAL_RANK (deepspeed/comm/torch.py, TorchBackend.init_process_group;
+      world size > 1);
+    - deepspeed.initialize: the engine's local_rank is int(os.environ["LOCAL_RANK"])
+      (runtime/engine.py, _configure_with_arguments), its device
+      set_device(local_rank) / device_name(local_rank) (_set_distributed_vars);
+    - ZeRO-3: the engine converts the model with zero.Init(module=...)
+      (runtime/zero/parameter_offload.py), whose local_device is
+      device_name(os.environ["LOCAL_RANK"]), then set_device
+      (runtime/zero/partition_parameters.py, Init.__init__); its list checks build
+      tensors there (runtime/zero/utils.py, assert_lst_len_same_as_other_ranks,
+      get_lst_from_rank0).
+    Only the engine takes a device from its caller (an `args` with `device_rank` given to
+    deepspeed.initialize); the process group and ZeRO-3 read the variable only. So the
+    variable is what DeepSpeed is handed: LOCAL_RANK becomes this GPU's index among the
+    visible ones for the rest of the process (unchanged when the whole node is visible),
+    and the launcher's value stays in DistEnv.local_rank and MEMTRAIN_LOCAL_RANK.
+    DeepSpeed's other uses of LOCAL_RANK do not choose a device and are off in memtrain:
+    checkpoint files named by local rank (checkpoint.use_node_local_storage) and ZeRO-3's
+    checkpoint loading in local-rank order (zero_optimization.pipeline_loading_checkpoint).
+    AutoTP and pipeline modules, which read it too, are not used."""
+    import torch
+
+    require_cuda_if_allocated()   # gloo on the CPU only when the job has no GPUs
+    if not torch.cuda.is_available():
+        return None
+    index = gpu_index(env.local_rank, torch.cuda.device_count())
+    torch.cuda.set_device(index)
+    os.environ[LAUNCHER_LOCAL_RANK] = str(env.local_rank)
+    os.environ["LOCAL_RANK"] = str(index)
+    return index
+
+
 def init_process_group(env: DistEnv, timeout_minutes: float = 60) -> None:
     """gloo on CPU (oneCCL is not installable here), nccl on CUDA; collectives wait at most
-    `timeout_minutes` for the slowest rank (the run config's distributed.timeout_minutes)."""
+    `timeout_minutes` for the slowest rank (the run config's distributed.timeout_minutes).
+    The rank's GPU is bound first, and LOCAL_RANK made its index (bind_gpu)."""
     # DeepSpeed JIT-compiles an op on first use (~30 s); scripts/setup.sh builds it into the
     # checkout, so reuse that build unless the user chose another place.
     prebuilt = Path(__file__).resolve().parents[1] / ".cache" / "torch_ext"
     if prebuilt.is_dir():
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(prebuilt))
     import deepspeed
-    import torch
 
-    require_cuda_if_allocated()   # gloo on the CPU only when the job has no GPUs
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = "gloo" if bind_gpu(env) is None else "nccl"
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False,
                                verbose=False, timeout=timedelta(minutes=timeout_minutes))
 
