@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from datetime import timedelta
 
 import torch
 
@@ -83,7 +84,11 @@ def run_eval(cfg: RunConfig, checkpoint: str | None, track: bool = True,
     env = resolve_env()
     if env.world_size > 1:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        torch.distributed.init_process_group(backend)
+        # The run's distributed.timeout_minutes, as in training (torch's default: 10 minutes
+        # under nccl, 30 under gloo): rank 0 alone consolidates the checkpoint's fp32
+        # weights (load_weights_once) while the other ranks wait for its broadcast.
+        torch.distributed.init_process_group(
+            backend, timeout=timedelta(minutes=cfg.distributed.timeout_minutes))
     device = device_for(env.local_rank)
     info = pick_checkpoint(cfg, checkpoint)
     if info is None:

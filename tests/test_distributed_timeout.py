@@ -1,12 +1,13 @@
 """The process-group timeout is the run config's distributed.timeout_minutes (default 60, not
-DeepSpeed's 10), and it reaches deepspeed.init_distributed from `memtrain train`: rank 0
-converts universal checkpoints and exports the final weights while the others wait in a
-barrier under it."""
+DeepSpeed's 10), and it reaches deepspeed.init_distributed from `memtrain train` and torch's
+init_process_group from `memtrain eval`: rank 0 converts universal checkpoints, exports the
+final weights and consolidates a checkpoint for evaluation while the others wait under it."""
 
 from datetime import timedelta
 
 import deepspeed
 import pytest
+import torch
 import yaml
 from train_helpers import tiny_config
 
@@ -64,3 +65,28 @@ def test_the_default_is_an_hour_and_the_value_is_checked(tmp_path):
     cfg.pop("distributed", None)
     path.write_text(yaml.safe_dump(cfg))
     assert load_config(path).distributed.timeout_minutes == 60
+
+
+def test_memtrain_eval_on_several_ranks_waits_the_run_configs_timeout(tmp_path, monkeypatch):
+    """`memtrain eval` launched on N ranks: rank 0 consolidates the checkpoint while the
+    others wait in its broadcast, under the run's distributed.timeout_minutes."""
+    from evaluation.cli import main_eval
+    from train.config import dump_yaml
+
+    cfg = load_config(tiny_config(tmp_path), ["distributed.timeout_minutes=77"])
+    run_dir = tmp_path / "runs" / "t"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}.items():
+        monkeypatch.setenv(key, value)
+    seen = {}
+
+    def init(backend, **kwargs):
+        seen.update(kwargs, backend=backend)
+        raise _Stop                     # no second rank to meet
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", init)
+    with pytest.raises(_Stop):
+        main_eval(["--run-dir", str(run_dir), "--no-track"])
+    assert seen.get("timeout") == timedelta(minutes=77)
