@@ -4,6 +4,8 @@ training (dead server, server dying mid-run, disabled ranks).
 Checks read the runs back with a separate MlflowClient, i.e. as a user browsing them would.
 """
 
+import errno
+import fcntl
 import json
 import os
 import socket
@@ -205,6 +207,32 @@ def test_real_server_records_params_metrics_tags_artifacts_and_status(tmp_path,
     local.mkdir()
     got = client.download_artifacts(tracker.run_id, "eval.json", str(local))
     assert json.loads(Path(got).read_text()) == {"valid_loss": 2.2}
+
+
+def test_a_store_directory_without_file_locks_is_not_used_and_the_warning_says_why_and_the_fix(
+        tmp_path, monkeypatch):
+    """Lustre mounted without -o flock refuses flock (ENOLCK here, ENOSYS on some mounts):
+    the sqlite store is not touched, and the one warning names the directory, where the
+    numbers go instead and how to get MLflow back."""
+    def no_locks(_file, _operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    runs = tmp_path / "runs"
+    run_dir = runs / "t"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tracker = Tracker(run_dir, run_name="t", params=PARAMS, tags=TAGS)
+        run_training(tracker, LOSSES)
+        tracker.close()
+    [message] = tracking_warnings(caught)
+    assert f"{runs.absolute()} does not support them (flock failed with ENOLCK" in message
+    assert f"metrics go only to {run_dir.absolute() / 'metrics.jsonl'}" in message
+    assert "mount that file system with -o flock" in message
+    assert "tracking.uri" in message and "MLflow server" in message
+    assert tracker.run_id is None and not (runs / "mlflow.db").exists()
+    assert [r["step"] for r in jsonl(run_dir)] == [1, 2, 3, 4, 4]
+    assert not list(runs.glob(".memtrain-lock-probe-*"))      # the probe file is gone
 
 
 @pytest.mark.parametrize("server", ["refusing", "silent"])

@@ -19,16 +19,24 @@ and URI continues the same MLflow run, so one training run is one MLflow run acr
 preemptions. Without an explicit URI, a run whose tracking.json names a sqlite store that
 exists keeps it: runs made when each run had its own `runs/<name>/mlflow.db` are still found.
 mlflow is imported lazily: non-zero ranks (enabled=False) never pay its ~2 s import.
+
+A sqlite store needs file locks where it lives (sqlite's own POSIX locks, and the flock of
+`_sqlite_lock`); Lustre mounted without `-o flock` (or an NFS without lockd) refuses both.
+Before touching such a store the tracker tries both on a probe file in its directory
+(`_lock_problem`); where they fail it does not start MLflow at all and warns, naming the
+directory, where the run's numbers go instead and how to get MLflow back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
 import re
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -126,6 +134,10 @@ class Tracker:
             return
         self.tracking_uri = (tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
                              or recorded_store(self.run_dir) or shared_store_uri(self.run_dir))
+        problem = _lock_problem(self.tracking_uri)
+        if problem is not None:   # sqlite would fail there, or corrupt the store: local-only
+            self._no_locks(problem)
+            return
         try:
             with _sqlite_lock(self.tracking_uri):
                 self._start(run_name, params or {}, tags or {})
@@ -234,6 +246,17 @@ class Tracker:
         _warn(f"MLflow tracking at {self.tracking_uri} failed ({type(err).__name__}: {msg}); "
               f"continuing local-only, metrics go to {self.metrics_path}")
 
+    def _no_locks(self, problem: str) -> None:
+        folder = Path(self.tracking_uri[len("sqlite:///"):]).absolute().parent
+        _warn(f"MLFLOW TRACKING IS OFF FOR THIS RUN: the sqlite store {self.tracking_uri} "
+              f"needs file locks, and {folder} does not support them ({problem}; e.g. "
+              "Lustre mounted without -o flock). This run's metrics go only to "
+              f"{self.metrics_path} (its config, eval report and loss curve stay in "
+              f"{self.run_dir}). To track in MLflow: mount that file system with -o flock, "
+              "or set tracking.uri (or MLFLOW_TRACKING_URI) to an MLflow server "
+              "(tracking.uri=http://HOST:5000) or to a sqlite file in a directory with "
+              "locks (tracking.uri=sqlite:////home/USER/mlflow.db)")
+
     def _mlflow(self, method: str, *args, **kwargs) -> None:
         """self._client.<method>(...) unless local-only; any error makes it local-only."""
         if self._client is None:
@@ -331,6 +354,30 @@ class Tracker:
             self.log_artifact(png)
         self._mlflow("set_terminated", self.run_id, status)
         self._client = None  # later calls (if any) are local-only
+
+
+def _lock_problem(uri: str) -> str | None:
+    """For a sqlite store: why its directory cannot lock files (flock, as _sqlite_lock
+    takes, and a POSIX record lock, as sqlite takes), tried on a probe file there; None
+    when both work, for other stores, or when no probe file can be made (then MLflow's own
+    error says why)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    folder = Path(uri[len("sqlite:///"):]).absolute().parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".memtrain-lock-probe-") as probe:
+            for name, lock in (("flock", fcntl.flock),
+                               ("a POSIX record lock (fcntl F_SETLK)", fcntl.lockf)):
+                try:
+                    lock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)   # a fresh file: never busy
+                    lock(probe, fcntl.LOCK_UN)
+                except OSError as err:
+                    code = errno.errorcode.get(err.errno, str(err.errno))
+                    return f"{name} failed with {code}: {err.strerror}"
+    except OSError:
+        return None
+    return None
 
 
 @contextlib.contextmanager
