@@ -10,7 +10,9 @@ The script is plain bash that `sbatch` takes as it is (no pickles, no hidden sta
     requeue on stop        SLURM's warning signal (--signal=USR1@<s>) or a preemption SIGTERM
                            makes every rank checkpoint and exit; the script then requeues the
                            job (at most --max-requeues times) when the run's status says
-                           "interrupted", never after a crash ("running", "failed").
+                           "interrupted", never after a crash ("running", "failed"). Before
+                           the launch a previous job's "interrupted" becomes "running"
+                           (cluster/job_state.py): ranks that die at start are not requeued.
 
 Values that reach the script either match a strict pattern (partition, account, time, ...)
 or go through shlex.quote, so a partition name or a setup line cannot run other commands.
@@ -112,7 +114,11 @@ def render(config_path: str | Path, overrides: list[str], run_dir: str | Path,
              "# The job's port from $SLURM_JOB_ID, as the ranks compute it (train/distributed.py).",
              f"export MASTER_PORT=$({py} -m train.distributed master-port)",
              *cases,
-             f"MAX_REQUEUES={opts.max_requeues}", ""]
+             f"MAX_REQUEUES={opts.max_requeues}",
+             "# The previous job's \"interrupted\" becomes \"running\": ranks that end before",
+             "# writing a state of their own (a crash at start) are then not requeued",
+             "# (cluster/job_state.py).",
+             f"{py} -m cluster.job_state start \"$RUN_DIR\"", ""]
     lines += [
         *launch[:-1], f"{launch[-1]} &",
         "LAUNCH_PID=$!",

@@ -231,3 +231,28 @@ def test_a_sweep_is_one_job_array_with_one_mlflow_run_per_element(slurm, tmp_pat
     runs = client.search_runs([exp.experiment_id])
     assert sorted(r.data.params["model.mem_len"] for r in runs) == ["0", "8"]
     assert sorted(r.info.run_name for r in runs) == ["grid-00", "grid-01"]
+
+
+@pytest.mark.slow
+def test_on_slurm_a_requeued_run_whose_ranks_fail_at_start_ends_failed_not_requeued(
+        slurm, tmp_path):
+    """A previous job of the run left "interrupted"; this job's ranks fail at start (its data
+    path is gone). The job must end failed: requeued on the stale state it would start and
+    fail again, up to --max-requeues times."""
+    from train.run_dir import RunDir
+
+    cfg = tiny_config(tmp_path, "stale", data={"path": str(tmp_path / "gone")})
+    run = RunDir(tmp_path / "runs" / "stale")
+    run.path.mkdir(parents=True)
+    run.write_status("interrupted", 0)
+    job = _submit(slurm, cfg)
+
+    def requeued(state):
+        assert "BeginTime" not in state, f"job {job} was requeued: {state}"
+    _wait(slurm, job, timeout=120, on_pending=requeued)
+    log = run.slurm_log(job).read_text()
+    assert "run state running after restart 0" in log and "not requeued" in log, log[-3000:]
+    assert "gone" in log                                      # the ranks' error is there
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job], env=slurm,
+                           capture_output=True, text=True).stdout
+    assert "JobState=FAILED" in shown and "Restarts=0" in shown, shown

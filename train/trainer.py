@@ -89,6 +89,16 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     latest checkpoint if any, False = refuse a run directory with checkpoints, "require" =
     fail unless there is one."""
     env = resolve_env()
+    run = RunDir(cfg.resolved_run_dir)
+    if env.is_main:
+        # "running" before anything below can fail (process group, device, data, the
+        # checkpoint choice): "running" left after the job means it died, which the sbatch
+        # script does not requeue; a previous job's "interrupted" would be, again and again.
+        # A fresh run refused for the checkpoints it found keeps their run's state.
+        latest = ckpt.find_latest(run.checkpoints)
+        if resume or latest is None:
+            run.path.mkdir(parents=True, exist_ok=True)
+            run.write_status(RUNNING, latest.step if latest is not None else 0)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     init_process_group(env, timeout_minutes=cfg.distributed.timeout_minutes)
@@ -98,7 +108,6 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
                                 env.is_main)
     if env.is_main:
         print(f"memtrain: training in {numerics}", flush=True)
-    run = RunDir(cfg.resolved_run_dir)
     run_dir, ckpt_root = run.path, run.checkpoints
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -121,9 +130,6 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     if env.is_main:
         atomic_write_text(run.config, dump_yaml(cfg))
         atomic_write_json(run.ds_config, ds_config, default=str)
-        # Until the job writes how it ended: "running" left after it means a hard crash,
-        # which the sbatch script does not requeue (a stale "interrupted" would be).
-        run.write_status(RUNNING, info.step if info is not None else 0)
         # The resolved config is worth reading at every start; the DeepSpeed JSON is
         # derived from it, so it is only saved.
         print(f"memtrain: {env.world_size} rank(s) via {env.launcher}, run dir {run_dir}\n"
