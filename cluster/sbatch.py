@@ -152,10 +152,13 @@ def _deepspeed_launch(opts: SubmitOptions, train_args: str) -> list[str]:
     launcher starts local processes itself); `--no_ssh_check` because nodes need not allow ssh.
     The ranks read SLURM's variables and MASTER_ADDR/PORT as under srun."""
     q = shlex.quote
+    # No --num_gpus: DeepSpeed would pass it on as `srun --gpus-per-node N`, a second GPU
+    # request for a step inside an allocation that already holds the GPUs (--gres). Without
+    # it the step gets all of the job's GPUs on each node (srun(1), --gres: "By default, a
+    # job step is allocated all of the generic resources that have been requested by the
+    # job"), as under the srun launcher; the hostfile's slots already give the ranks per node.
     options = ["--launcher=slurm", "--force_multi", "--no_ssh_check",
                f"--num_nodes={opts.nodes}", "--launcher_args=--kill-on-bad-exit=1"]
-    if opts.gpus_per_node:
-        options.append(f"--num_gpus={opts.gpus_per_node}")
     return ["# DeepSpeed's slurm backend repeats the NCCL*, UCX*, PYTHON*, MLFLOW* and MV2*",
             "# variables in srun's --export=ALL,NAME=value,... list, which srun splits at commas",
             "# (NCCL_IB_HCA=mlx5_0,mlx5_1 would arrive as mlx5_0). Values with a comma go to a",

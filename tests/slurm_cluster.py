@@ -1,11 +1,12 @@
 """A real single-node SLURM cluster for the tests (Debian's slurm-wlm + munge).
 
 `start_cluster(dir)` writes slurm.conf under `dir` (CPUs and RealMemory from `slurmd -C`,
-proctrack/linuxproc, task/none, state and logs in `dir`), starts munged (if not running),
-slurmctld and slurmd, waits until the node is idle and returns the environment
-(SLURM_CONF) plus a stop function that kills the daemons by pid. Raises `SlurmUnavailable`
-with the reason when SLURM cannot be started here; `start_cluster_for_test(dir)` turns that
-into a skip, or a failure under MEMTRAIN_REQUIRE_SLURM=1 (CI), where the tests must run.
+proctrack/linuxproc, task/none, state and logs in `dir`; `gpus=N` adds N fake GPUs as gres
+gpu:fake:N), starts munged (if not running), slurmctld and slurmd, waits until the node is
+idle and returns the environment (SLURM_CONF) plus a stop function that kills the daemons by
+pid. Raises `SlurmUnavailable` with the reason when SLURM cannot be started here;
+`start_cluster_for_test(dir)` turns that into a skip, or a failure under
+MEMTRAIN_REQUIRE_SLURM=1 (CI), where the tests must run.
 
 One cluster per machine at a time: slurmctld and slurmd listen on fixed ports, and a second
 pair fails to bind them (its node then never responds). A cluster holds a machine-wide lock
@@ -21,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -51,7 +53,10 @@ def _munge() -> None:
     raise SlurmUnavailable(f"munged did not start: {done.stderr.strip()}")
 
 
-def start_cluster(d: Path):
+def start_cluster(d: Path, gpus: int = 0):
+    """`gpus` > 0: the node offers that many GPUs of type "fake" (gres gpu:fake:<gpus>),
+    character devices made with /dev/null's numbers: SLURM allocates and binds them
+    (CUDA_VISIBLE_DEVICES, SLURM_JOB_GPUS, SLURM_STEP_GPUS) as it would real ones."""
     for tool in ("slurmctld", "slurmd", "sbatch", "munged"):
         if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
             raise SlurmUnavailable(f"{tool} not installed (apt-get install slurm-wlm munge)")
@@ -60,19 +65,29 @@ def start_cluster(d: Path):
     lock = LOCK.open("a")
     fcntl.flock(lock, fcntl.LOCK_EX)   # waits while another process has its cluster up
     try:
-        return _start_locked(Path(d).absolute(), lock)
+        return _start_locked(Path(d).absolute(), lock, gpus)
     except BaseException:
         lock.close()                   # closing the file releases the lock
         raise
 
 
-def _start_locked(d: Path, lock):
+def _start_locked(d: Path, lock, gpus: int = 0):
     for sub in ("state", "spool", "log"):
         (d / sub).mkdir(parents=True, exist_ok=True)
     probe = _run(["slurmd", "-C"]).stdout
     cpus = int(re.search(r"CPUs=(\d+)", probe).group(1))
     mem = int(re.search(r"RealMemory=(\d+)", probe).group(1)) - 512
     conf = d / "slurm.conf"
+    node = f"NodeName=localhost CPUs={cpus} RealMemory={mem}"
+    if gpus:
+        node += f" Gres=gpu:fake:{gpus}"
+        for i in range(gpus):
+            dev = d / f"fakegpu{i}"
+            if not dev.exists():
+                os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(1, 3))   # as /dev/null
+        # slurmd reads gres.conf from slurm.conf's folder.
+        (d / "gres.conf").write_text(f"NodeName=localhost Name=gpu Type=fake "
+                                     f"File={d}/fakegpu[0-{gpus - 1}]\n")
     conf.write_text("\n".join([
         "ClusterName=memtrain-test", "SlurmctldHost=localhost", "SlurmUser=root",
         "SlurmdUser=root", "AuthType=auth/munge", f"StateSaveLocation={d}/state",
@@ -83,7 +98,7 @@ def _start_locked(d: Path, lock):
         "AccountingStorageType=accounting_storage/none", "SelectType=select/cons_tres",
         "SelectTypeParameters=CR_Core", "MpiDefault=none", "ReturnToService=2",
         "MailProg=/bin/true", "JobRequeue=1", "KillWait=10",
-        f"NodeName=localhost CPUs={cpus} RealMemory={mem} State=UNKNOWN",
+        *(["GresTypes=gpu"] if gpus else []), f"{node} State=UNKNOWN",
         "PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP", ""]))
 
     def stop() -> None:
@@ -123,13 +138,13 @@ def _alive(pid: int) -> bool:
     return state != "Z"   # a daemon that exited but was not reaped holds no port
 
 
-def start_cluster_for_test(d: Path):
-    """`start_cluster(d)` for a test: skip it where SLURM cannot start, fail instead when
+def start_cluster_for_test(d: Path, gpus: int = 0):
+    """`start_cluster(d, gpus)` for a test: skip it where SLURM cannot start, fail instead when
     MEMTRAIN_REQUIRE_SLURM=1 says the SLURM tests must run."""
     import pytest
 
     try:
-        return start_cluster(d)
+        return start_cluster(d, gpus)
     except SlurmUnavailable as err:
         if os.environ.get("MEMTRAIN_REQUIRE_SLURM") == "1":
             pytest.fail(f"SLURM is required here (MEMTRAIN_REQUIRE_SLURM=1): {err}")

@@ -1,11 +1,14 @@
 """What the rendered sbatch script does for a first multi-node job: srun steps get the job's
 CPUs per task (SRUN_CPUS_PER_TASK, SLURM >= 22.05), GPU jobs ask for their nodes' memory, the
 master port stays out of the ephemeral range, relative run paths are pinned at submit time,
-and comma-valued variables (NCCL_IB_HCA=mlx5_0,mlx5_1) survive the DeepSpeed launcher's srun
---export list, on a real single-node SLURM too."""
+comma-valued variables (NCCL_IB_HCA=mlx5_0,mlx5_1) survive the DeepSpeed launcher's srun
+--export list, and that launcher's srun step takes the job's GPUs without asking for them
+again, on a real single-node SLURM too (with fake GPUs)."""
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 import time
@@ -128,6 +131,49 @@ def test_comma_values_reach_the_ranks_whole_on_the_deepspeed_launcher_path(tmp_p
     assert oct(os.stat(launcher_env["MEMTRAIN_ENV_FILE"]).st_mode & 0o777) == "0o600"
 
 
+def _deepspeed_srun(script: str, hosts: list[str], tmp_path: Path) -> list[str]:
+    """The srun command DeepSpeed's launcher builds from the script's launcher line
+    (deepspeed/launcher/runner.py main: hostfile, resource filters; multinode_runner.py
+    SlurmRunner.get_cmd), for an allocation of `hosts`."""
+    from deepspeed.launcher import runner
+    from deepspeed.launcher.multinode_runner import SlurmRunner
+
+    line = next(line for line in script.splitlines() if "-m deepspeed.launcher.runner" in line)
+    slots = re.search(r"slots=(\d+)", script).group(1)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"{h} slots={slots}\n" for h in hosts))
+    line = line.replace('"$HOSTFILE"', str(hostfile)).replace('"$MASTER_ADDR"', hosts[0])
+    argv = shlex.split(line.replace('"$MASTER_PORT"', "12345"))
+    args = runner.parse_args(argv[argv.index("deepspeed.launcher.runner") + 1:])
+    pool = runner.fetch_hostfile(args.hostfile)
+    active = runner.parse_inclusion_exclusion(pool, args.include, args.exclude)
+    active = runner.apply_num_nodes_and_gpus(active, args.num_nodes, args.num_gpus)
+    slurm = SlurmRunner(args, runner.encode_world_info(active), pool)
+    return slurm.get_cmd(dict(os.environ), active)
+
+
+def test_the_deepspeed_launchers_job_step_takes_the_jobs_gpus_without_asking_again(tmp_path):
+    """Inside a --gres allocation the ranks' srun step must not request GPUs itself: srun(1),
+    --gres: "By default, a job step is allocated all of the generic resources that have
+    been requested by the job". DeepSpeed's slurm backend turns its --num_gpus into
+    `srun --gpus-per-node N`, a second request in another syntax that the step must be
+    granted again from the job's GPUs (refused or waiting when SLURM cannot match it, e.g.
+    typed gres, or GPUs another step holds). So the launcher gets no --num_gpus; the hostfile's
+    slots give the ranks per node, and the step runs nodes x tasks ranks on all the nodes,
+    one per GPU, each seeing its node's GPUs as under the srun launcher."""
+    script = render("configs/wt103-rmt.yaml", [], "/r", SubmitOptions(
+        nodes=4, gpus_per_node=8, gpu_type="a100", launcher="deepspeed",
+        python=sys.executable))
+    assert "#SBATCH --gres=gpu:a100:8" in script
+    cmd = _deepspeed_srun(script, [f"node{i}" for i in range(4)], tmp_path)
+    srun = cmd[:cmd.index(next(a for a in cmd if a.startswith("--export=")))]
+    assert srun[0] == "srun"
+    assert not [a for a in srun if a.startswith(("--gpus", "--gres", "-G"))], srun
+    assert srun[srun.index("-n") + 1] == "32" and srun[srun.index("--nodes") + 1] == "4"
+    assert "--kill-on-bad-exit=1" in srun
+    assert "--nodelist" not in srun            # no resource filter: the whole allocation
+
+
 # ----------------------------------------------------------------------------- real SLURM
 PROBE = """\
 import os, sys
@@ -174,6 +220,57 @@ def test_on_slurm_the_deepspeed_launcher_delivers_comma_values_whole(tmp_path):
         assert "cmd = srun -n 2" in log                    # DeepSpeed's slurm backend ran
         ranks = sorted(line for line in log.splitlines() if line.startswith("memtrain-probe"))
         assert ranks == [f"memtrain-probe rank {r} NCCL_IB_HCA=mlx5_0,mlx5_1" for r in (0, 1)]
+        assert json.loads(run.status.read_text())["state"] == "finished"
+    finally:
+        stop()
+
+
+GPU_PROBE = """\
+import os, sys
+from train.distributed import resolve_env
+from train.run_dir import RunDir
+who = resolve_env()
+print(f"memtrain-probe rank {who.rank} local {who.local_rank} "
+      f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')} "
+      f"SLURM_STEP_GPUS={os.environ.get('SLURM_STEP_GPUS')}", flush=True)
+run_dir = next(a.split("=", 1)[1] for a in sys.argv if a.startswith("run_dir="))
+if who.rank == 0:
+    RunDir(run_dir).write_status("finished", 0)
+"""
+
+
+@pytest.mark.slow
+def test_on_slurm_with_gpus_the_deepspeed_launchers_ranks_see_all_the_jobs_gpus(tmp_path):
+    """A node with 2 (fake) GPUs, a --gres=gpu:fake:2 job of 2 tasks started by DeepSpeed's
+    launcher: its srun step asks for no GPUs and each rank sees both of the job's GPUs
+    (one per rank by LOCAL_RANK, as under the srun launcher)."""
+    slurm, stop = start_cluster_for_test(tmp_path / "slurm", gpus=2)
+    try:
+        env = child_env(slurm)
+        probe = tmp_path / "probe.py"
+        probe.write_text(GPU_PROBE)
+        run = RunDir(tmp_path / "run")
+        run.path.mkdir()
+        script = render("configs/quickstart.yaml", [], run.path, SubmitOptions(
+            gpus_per_node=2, gpu_type="fake", cpus_per_task=1, time="10", mem="",
+            launcher="deepspeed", python=sys.executable))
+        assert "#SBATCH --gres=gpu:fake:2" in script
+        path = tmp_path / "job.sbatch"
+        path.write_text(script.replace(str(TRAIN_SCRIPT), str(probe)))
+        job = subprocess.run(["sbatch", "--parsable", str(path)], env=env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=60,
+                             check=True).stdout.strip()
+        deadline = time.time() + 120
+        while subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True,
+                             text=True).stdout.strip():
+            assert time.time() < deadline, "the job did not end"
+            time.sleep(0.5)
+        log = run.slurm_log(job).read_text()
+        step = next(line for line in log.splitlines() if "cmd = srun" in line)
+        assert "cmd = srun -n 2" in step and "--gpus" not in step, step
+        ranks = sorted(line for line in log.splitlines() if line.startswith("memtrain-probe"))
+        assert ranks == [f"memtrain-probe rank {r} local {r} CUDA_VISIBLE_DEVICES=0,1 "
+                         "SLURM_STEP_GPUS=0,1" for r in (0, 1)], log[-3000:]
         assert json.loads(run.status.read_text())["state"] == "finished"
     finally:
         stop()
