@@ -12,33 +12,55 @@ the fix named:
     precision     bf16 needs compute capability 8.0 (Ampere) or newer; a V100 (7.0) trains in
                   fp16 with loss scaling, a CPU job in fp32 (check_run refuses the rest).
 
-The GPU generation comes from `--gpu-type` (also the type in --gres=gpu:<type>:<n>); an
-unknown type is not checked for precision.
+The GPU generation comes from `--gpu-type` (also the type in --gres=gpu:<type>:<n>), read
+as SLURM gres and NVML name GPUs ("tesla_v100", "nvidia_a100-sxm4-80gb", "NVIDIA H100 80GB
+HBM3": `gpu_model`); an unknown type is not checked for precision, and submit says so
+(`precision_warnings`).
 """
 
 from __future__ import annotations
 
+import re
+
 from data_pipeline.streams import LayoutError, rows_of_rank
 from train.config import ConfigError, RunConfig
 
-# Compute capability (major, minor) per GPU type, from NVIDIA's list of CUDA GPUs. A type is
-# matched by its longest known prefix, so site names such as "a100_80gb" or "v100-sxm2"
-# resolve to their generation.
+# Compute capability (major, minor) per GPU model, from NVIDIA's list of CUDA GPUs
+# (developer.nvidia.com/cuda-gpus).
 GPU_CAPABILITY = {
     "p100": (6, 0), "v100": (7, 0), "t4": (7, 5), "rtx8000": (7, 5),
-    "a100": (8, 0), "a30": (8, 0), "a10": (8, 6), "a40": (8, 6), "a6000": (8, 6),
-    "l4": (8, 9), "l40": (8, 9), "l40s": (8, 9),
+    "a100": (8, 0), "a30": (8, 0), "a10": (8, 6), "a10g": (8, 6), "a40": (8, 6),
+    "a6000": (8, 6), "l4": (8, 9), "l40": (8, 9), "l40s": (8, 9),
     "h100": (9, 0), "h200": (9, 0), "gh200": (9, 0), "b200": (10, 0),
 }
 BF16_CAPABILITY = (8, 0)
+# Words of a GPU name that are not its model: the vendor and product lines of NVML's names
+# ("Tesla V100-SXM2-32GB", "NVIDIA A100-SXM4-80GB", "Quadro RTX 8000") and of SLURM gres
+# types written from them ("tesla_v100", "nvidia_a100-sxm4-80gb").
+_VENDOR_WORDS = {"nvidia", "tesla", "geforce", "quadro"}
+
+
+def gpu_model(gpu_type: str) -> str | None:
+    """The model of a GPU type name (a key of GPU_CAPABILITY), or None when none is named.
+
+    The name is split into words at '_', '-' and spaces, vendor words dropped, and a word
+    (or two adjacent words run together: "RTX 8000") must equal a model exactly: a prefix
+    would read a10 as a100 and l4 as l40, or miss "tesla_v100". Memory sizes and form
+    factors ("80gb", "sxm4", "hbm3", "pcie") are words of their own and match nothing."""
+    words = [w for w in re.split(r"[_\-\s]+", gpu_type.lower())
+             if w and w not in _VENDOR_WORDS]
+    for i, word in enumerate(words):
+        for candidate in (word, word + "".join(words[i + 1:i + 2])):
+            if candidate in GPU_CAPABILITY:
+                return candidate
+    return None
 
 
 def gpu_capability(gpu_type: str) -> tuple[int, int] | None:
-    name = gpu_type.lower()
-    for key in sorted(GPU_CAPABILITY, key=len, reverse=True):
-        if name.startswith(key):
-            return GPU_CAPABILITY[key]
-    return None
+    """Compute capability of a GPU type name as SLURM gres or NVML write it (gpu_model),
+    None for a name that names no known model."""
+    model = gpu_model(gpu_type)
+    return GPU_CAPABILITY[model] if model else None
 
 
 def default_precision(gpu_type: str) -> str | None:
@@ -57,6 +79,23 @@ def job_precision(config_precision: str, overrides: list[str], gpu_type: str
     chosen = any(o.startswith("deepspeed.precision=") for o in overrides)
     default = None if chosen else default_precision(gpu_type)
     return (default, True) if default else (config_precision, False)
+
+
+def precision_warnings(config_precision: str, overrides: list[str], gpus_per_node: int,
+                       gpu_type: str) -> list[str]:
+    """What `memtrain submit` says on stderr about a GPU job's precision, [] for none: a
+    --gpu-type that names no known model (so nothing chooses or checks its precision)."""
+    if not gpus_per_node:
+        return []
+    precision, _ = job_precision(config_precision, overrides, gpu_type)
+    known = bool(gpu_type) and gpu_model(gpu_type) is not None
+    out = []
+    if gpu_type and not known:
+        out.append(f"--gpu-type {gpu_type} names no GPU model this check knows (cluster/"
+                   f"layout.py, GPU_CAPABILITY: {', '.join(GPU_CAPABILITY)}): its precision "
+                   f"is neither chosen nor checked, deepspeed.precision stays as the config "
+                   f"says ({precision})")
+    return out
 
 
 def _divisors(n: int) -> list[int]:

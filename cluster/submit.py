@@ -28,7 +28,7 @@ from train.run_dir import RunDir, atomic_write_json, atomic_write_text, sqlite_u
 
 from . import torch_check
 from .jobs import record_job
-from .layout import check_layout
+from .layout import check_layout, precision_warnings
 from .options import add_flags, flag, from_args
 from .sbatch import render
 
@@ -121,6 +121,9 @@ def main_submit(argv: list[str] | None = None) -> int:
         run_dir = cfg.resolved_run_dir.absolute()
         opts = from_args(args, job_name=cfg.name).validate()
         _check_layout(cfg, args.overrides, opts)
+        for warning in precision_warnings(cfg.deepspeed.precision, args.overrides,
+                                          opts.gpus_per_node, opts.gpu_type):
+            print(f"memtrain submit: {warning}", file=sys.stderr)
         if opts.gpus_per_node and not opts.skip_torch_check:
             _check_torch(opts, strict=not args.dry_run)
         config_path = Path(args.config)

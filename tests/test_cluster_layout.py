@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cluster import torch_check
-from cluster.layout import check_layout, default_precision, gpu_capability
+from cluster.layout import check_layout, default_precision, gpu_capability, gpu_model
 from cluster.submit import main_submit
 from data_pipeline.streams import LayoutError
 from train.config import ConfigError, load_config
@@ -95,6 +95,51 @@ def test_gpu_generations():
     assert gpu_capability("A100_80GB") == (8, 0) and gpu_capability("a10g") == (8, 6)
     assert gpu_capability("mystery") is None and default_precision("mystery") is None
     assert default_precision("v100") == "fp16" and default_precision("h100") == "bf16"
+
+
+# (name as SLURM gres or NVML / torch.cuda.get_device_name write it, its model, capability)
+GPU_NAMES = [
+    ("tesla_v100", "v100", (7, 0)), ("tesla_v100-sxm2-32gb", "v100", (7, 0)),
+    ("Tesla V100-SXM2-32GB", "v100", (7, 0)), ("v100-sxm2-32gb", "v100", (7, 0)),
+    ("nvidia_a100-sxm4-80gb", "a100", (8, 0)), ("NVIDIA A100-SXM4-80GB", "a100", (8, 0)),
+    ("a100_80gb", "a100", (8, 0)), ("NVIDIA H100 80GB HBM3", "h100", (9, 0)),
+    ("h100", "h100", (9, 0)), ("NVIDIA H200", "h200", (9, 0)),
+    ("NVIDIA A10", "a10", (8, 6)), ("a10", "a10", (8, 6)), ("a10g", "a10g", (8, 6)),
+    ("NVIDIA L4", "l4", (8, 9)), ("l4", "l4", (8, 9)), ("NVIDIA L40S", "l40s", (8, 9)),
+    ("l40s", "l40s", (8, 9)), ("l40", "l40", (8, 9)), ("Tesla T4", "t4", (7, 5)),
+    ("NVIDIA A30", "a30", (8, 0)), ("NVIDIA A40", "a40", (8, 6)),
+    ("NVIDIA RTX A6000", "a6000", (8, 6)), ("Quadro RTX 8000", "rtx8000", (7, 5)),
+]
+
+
+@pytest.mark.parametrize("name, model, capability", GPU_NAMES)
+def test_gpu_names_of_slurm_gres_and_nvml_resolve_to_their_model_exactly(name, model,
+                                                                        capability):
+    """Vendor words (nvidia, tesla) are dropped and a word must equal the model: matched by
+    prefix, "tesla_v100" or "NVIDIA A10" named nothing and the job kept fp32 silently."""
+    assert gpu_model(name) == model
+    assert gpu_capability(name) == capability
+    assert default_precision(name) == ("bf16" if capability >= (8, 0) else "fp16")
+
+
+@pytest.mark.parametrize("name", ["mystery", "tesla_k80", "NVIDIA GeForce RTX 3090", "a1000",
+                                  "l4x", "h1000", "80gb"])
+def test_a_name_without_a_known_model_word_has_no_capability(name):
+    """Not the model its name starts with: an RTX A1000 is not an A100."""
+    assert gpu_model(name) is None and gpu_capability(name) is None
+
+
+def test_an_unknown_gpu_type_is_named_at_submit_and_the_configs_precision_stays(capsys):
+    code, out, err = _submit(capsys, "--config", "copy-rmt", "--gpus-per-node", "8",
+                             "--gpu-type", "tesla_k80", "deepspeed.precision=fp16")
+    assert code == 0, err
+    assert "--gpu-type tesla_k80 names no GPU model" in err
+    assert "deepspeed.precision stays as the config says (fp16)" in err
+    # A known model is not warned about, and its precision is chosen.
+    code, out, err = _submit(capsys, "--config", "copy-rmt", "--gpus-per-node", "8",
+                             "--gpu-type", "nvidia_a100-sxm4-80gb")
+    assert code == 0 and "names no GPU model" not in err
+    assert "deepspeed.precision=bf16" in out
 
 
 @pytest.mark.parametrize("global_batch, eval_batch, world", [
