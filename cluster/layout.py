@@ -15,7 +15,7 @@ the fix named:
 The GPU generation comes from `--gpu-type` (also the type in --gres=gpu:<type>:<n>), read
 as SLURM gres and NVML name GPUs ("tesla_v100", "nvidia_a100-sxm4-80gb", "NVIDIA H100 80GB
 HBM3": `gpu_model`); an unknown type is not checked for precision, and submit says so
-(`precision_warnings`).
+(`precision_warnings`), loudly when the GPUs would then train in fp32.
 """
 
 from __future__ import annotations
@@ -84,7 +84,9 @@ def job_precision(config_precision: str, overrides: list[str], gpu_type: str
 def precision_warnings(config_precision: str, overrides: list[str], gpus_per_node: int,
                        gpu_type: str) -> list[str]:
     """What `memtrain submit` says on stderr about a GPU job's precision, [] for none: a
-    --gpu-type that names no known model (so nothing chooses or checks its precision)."""
+    --gpu-type that names no known model (so nothing chooses or checks its precision), and,
+    loudly, a GPU job that would train in fp32 (no tensor-core bf16/fp16), with why and how
+    to choose another precision. A CPU job (gpus_per_node 0) trains in fp32 by design."""
     if not gpus_per_node:
         return []
     precision, _ = job_precision(config_precision, overrides, gpu_type)
@@ -95,6 +97,19 @@ def precision_warnings(config_precision: str, overrides: list[str], gpus_per_nod
                    f"layout.py, GPU_CAPABILITY: {', '.join(GPU_CAPABILITY)}): its precision "
                    f"is neither chosen nor checked, deepspeed.precision stays as the config "
                    f"says ({precision})")
+    if precision == "fp32":
+        if any(o.startswith("deepspeed.precision=") for o in overrides):
+            why = "the override deepspeed.precision=fp32 chooses it"
+        elif not gpu_type:
+            why = "no --gpu-type was given, so the run config's deepspeed.precision (fp32) stays"
+        else:
+            why = (f"--gpu-type {gpu_type} is not a known model, so the run config's "
+                   "deepspeed.precision (fp32) stays")
+        out.append(f"WARNING: this job trains in fp32 on its GPUs ({gpus_per_node} per "
+                   f"node): {why}.\n  fp32 leaves the GPUs' bf16/fp16 tensor cores unused. "
+                   "To train in half precision:\n  --gpu-type a100/h100 (bf16) or v100 "
+                   "(fp16), or the override deepspeed.precision=bf16 (Ampere or newer) or "
+                   "deepspeed.precision=fp16 (V100, loss scaling)")
     return out
 
 

@@ -8,9 +8,10 @@
 
 The run config is loaded and validated first (a bad field fails here, not on the cluster),
 then the job's rank layout against it (cluster/layout.py: batches divisible by the ranks,
-one rank per GPU, a precision the GPU type has) and, for a GPU job, the torch of --python
-(cluster/torch_check.py: a CUDA build with kernels for the GPU type); the script is written to
-<run_dir>/submit-<time>.sbatch and stays usable with plain sbatch.
+one rank per GPU, a precision the GPU type has; a GPU job that would train in fp32 is warned
+about) and, for a GPU job, the torch of --python (cluster/torch_check.py: a CUDA build with
+kernels for the GPU type); the script is written to <run_dir>/submit-<time>.sbatch and stays
+usable with plain sbatch.
 """
 
 from __future__ import annotations

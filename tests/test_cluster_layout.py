@@ -142,6 +142,30 @@ def test_an_unknown_gpu_type_is_named_at_submit_and_the_configs_precision_stays(
     assert "deepspeed.precision=bf16" in out
 
 
+@pytest.mark.parametrize("argv, why", [
+    (["--gpus-per-node", "8"], "no --gpu-type was given"),
+    (["--gpus-per-node", "8", "--gpu-type", "tesla_k80"],
+     "--gpu-type tesla_k80 is not a known model"),
+    (["--gpus-per-node", "8", "--gpu-type", "a100", "deepspeed.precision=fp32"],
+     "the override deepspeed.precision=fp32 chooses it"),
+    (["--gpus-per-node", "8", "--gpu-type", "a100"], None),                # bf16 chosen
+    (["--gpus-per-node", "8", "--gpu-type", "tesla_v100"], None),          # fp16 chosen
+    (["--gpus-per-node", "8", "--gpu-type", "mystery", "deepspeed.precision=bf16"], None),
+    (["--gpus-per-node", "0"], None),                                      # a CPU job
+])
+def test_a_gpu_job_is_warned_loudly_exactly_when_it_would_train_in_fp32(capsys, argv, why):
+    """The warning says why (no or an unknown --gpu-type, or fp32 chosen) and how to choose
+    bf16 or fp16; a job whose GPUs train in half precision, or a CPU job, gets none."""
+    code, _, err = _submit(capsys, "--config", "copy-rmt", *argv)
+    assert code == 0, err
+    if why is None:
+        assert "trains in fp32" not in err
+        return
+    assert "WARNING: this job trains in fp32 on its GPUs (8 per node)" in err and why in err
+    assert "deepspeed.precision=bf16" in err and "deepspeed.precision=fp16" in err
+    assert "--gpu-type a100/h100 (bf16) or v100 (fp16)" in err
+
+
 @pytest.mark.parametrize("global_batch, eval_batch, world", [
     (22, 10, 32), (32, 10, 32), (32, 32, 32), (64, 0, 32), (60, 10, 10), (60, 10, 4),
     (40, 0, 8), (16, 16, 2), (7, 0, 1)])
