@@ -9,9 +9,11 @@
 The run config is loaded and validated first (a bad field fails here, not on the cluster),
 then the job's rank layout against it (cluster/layout.py: batches divisible by the ranks,
 one rank per GPU, a precision the GPU type has; a GPU job that would train in fp32 is warned
-about) and, for a GPU job, the torch of --python (cluster/torch_check.py: a CUDA build with
-kernels for the GPU type); the script is written to <run_dir>/submit-<time>.sbatch and stays
-usable with plain sbatch.
+about), for a GPU job the torch of --python (cluster/torch_check.py: a CUDA build with
+kernels for the GPU type), and the CPUs and GPUs one node must hold against the partition's
+nodes as sinfo lists them (cluster/partition.py; skipped, with a line, where sinfo cannot
+answer); the script is written to <run_dir>/submit-<time>.sbatch and stays usable with
+plain sbatch.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 from train.config import ConfigError, load_config, resolve_path
 from train.run_dir import RunDir, atomic_write_json, atomic_write_text, sqlite_uri
 
-from . import torch_check
+from . import partition, torch_check
 from .jobs import record_job
 from .layout import check_layout, precision_warnings
 from .options import add_flags, flag, from_args
@@ -87,6 +89,24 @@ def _check_torch(opts, strict: bool) -> None:
               file=sys.stderr)
 
 
+def _check_partition(opts, strict: bool) -> None:
+    """One node's share of the job (CPUs, GPUs of the type) against the partition's nodes,
+    from sinfo (cluster/partition.py): an error before sbatch, a warning under --dry-run;
+    one line saying the check was skipped when sinfo cannot tell."""
+    try:
+        nodes = partition.query_nodes(opts.partition)
+    except partition.PartitionUnknown as err:
+        print(f"memtrain submit: note: CPUs and GPUs per node not checked against the "
+              f"partition's nodes: {err}", file=sys.stderr)
+        return
+    problem = partition.request_problem(opts, nodes)
+    if problem and strict:
+        raise ConfigError(*problem)
+    if problem:
+        print(f"memtrain submit: warning (an error without --dry-run): {problem[0]}: "
+              f"{problem[1]}", file=sys.stderr)
+
+
 def _sweep(args, name: str, run_dir: Path, opts) -> list[tuple[Path, list[str]]] | None:
     """The grid of --sweep axes: per element its run directory and overrides. Every element
     is validated here, so a bad value fails before sbatch. Elements share one MLflow
@@ -127,6 +147,7 @@ def main_submit(argv: list[str] | None = None) -> int:
             print(f"memtrain submit: {warning}", file=sys.stderr)
         if opts.gpus_per_node and not opts.skip_torch_check:
             _check_torch(opts, strict=not args.dry_run)
+        _check_partition(opts, strict=not args.dry_run)
         config_path = Path(args.config)
         config_path = config_path.absolute() if config_path.is_file() else args.config
         sweep = _sweep(args, cfg.name, run_dir, opts)
