@@ -204,8 +204,8 @@ def test_compiling_keeps_parameter_names_so_checkpoints_are_interchangeable():
 
 @pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt"])
 def test_a_bf16_model_compiles_and_trains_like_eager_bf16(mechanism):
-    # The A100 precision (DeepSpeed casts the model to bf16; memtrain refuses bf16 on a CPU
-    # run, so the bare model here). Fused kernels round differently: bf16 tolerance. No
+    # The A100 precision (DeepSpeed casts the model to bf16; the bare model here, the engine
+    # in bf16 is tests/test_bf16_engine.py). Fused kernels round differently: bf16 tolerance. No
     # dropout: eager bf16 dropout scales by 1/(1-p) rounded to bf16, a fused kernel by the
     # fp32 value (0.2% apart at p = 0.1), a difference of rounding, not of the model. One
     # graph: a segment without gradient (eager) fills the memory, so every training step

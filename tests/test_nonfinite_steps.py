@@ -2,9 +2,12 @@
 memory that window produced must not be carried on; a run of them stops the run clearly.
 
 The training loop's micro-step runs here on one process with the bare model behind a fake
-engine (DeepSpeed's fp16 skip is its business; what is tested is what the loop carries)."""
+engine, and behind DeepSpeed's own fp16 optimizer object (ScalingEngine: its loss scaler
+skips the overflowed update and changes the scale; what is tested is what the loop carries
+around it)."""
 
 import math
+import os
 import warnings
 
 import pytest
@@ -177,3 +180,92 @@ def test_other_errors_of_the_engine_step_pass_through_unchanged():
     loop.engine.step = broken
     with pytest.raises(RuntimeError, match="NCCL timeout"):
         loop._micro_step(batches())
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A 1-rank gloo group for DeepSpeed's comm layer (its fp16 optimizer asks for the rank
+    and all-reduces its overflow flag), torn down after the module."""
+    import deepspeed
+    import torch.distributed as dist
+    from train_helpers import free_port
+
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+           "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False,
+                                   verbose=False)
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class ScalingEngine(FakeEngine):
+    """FakeEngine with DeepSpeed's own fp16 optimizer behind backward() and step(): dynamic
+    loss scaling over fp32 master weights of an fp16 model (FP16_UnfusedOptimizer, the
+    wrapper DeepSpeed's engine builds for fp16 without ZeRO; its engine refuses fp16 on the
+    CPU accelerator, the optimizer object itself runs). Scale window 2, factor 2."""
+
+    def __init__(self, model, poison=()):
+        from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+        super().__init__(model.half(), poison)
+        self.optimizer = FP16_UnfusedOptimizer(
+            torch.optim.Adam(model.parameters(), lr=1e-3), dynamic_loss_scale=True,
+            dynamic_loss_args={"init_scale": 2.0 ** 8, "scale_window": 2, "min_scale": 1,
+                               "delayed_shift": 1}, verbose=False)
+        self.scales, self.updated = [], []
+
+    def __call__(self, tokens, state, **kw):
+        out = super().__call__(tokens, state, **kw)
+        if self.calls in self.poison:   # an overflow reaches the gradients, not only the loss
+            out.nll = out.nll * float("inf")
+        return out
+
+    def backward(self, loss):
+        self.optimizer.backward(loss)
+
+    def step(self):
+        before = [p.detach().clone() for p in self.module.parameters()]
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+        self.steps += 1
+        self.scales.append(self.optimizer.loss_scale)
+        self.updated.append(any(not torch.equal(a, p) for a, p in
+                                zip(before, self.module.parameters(), strict=True)))
+
+
+def test_deepspeeds_fp16_optimizer_skips_the_overflowed_step_halves_the_scale_and_the_loop_resets_the_memory(  # noqa: E501
+        one_rank_group):
+    loop = make_loop(poison={3, 4}, limit=3)
+    loop.engine = ScalingEngine(loop.engine.module, poison={3, 4})
+    data = batches()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(8):
+            loop._micro_step(data)
+            loop.state.step += 1
+    engine = loop.engine
+    # Windows 3 and 4 overflowed: no update, the scale halved each time; after 2 clean
+    # steps (the window) it doubles again.
+    assert engine.updated == [True, True, False, False, True, True, True, True]
+    assert engine.scales[:4] == [256, 256, 128, 64] and engine.scales[-1] > 64, engine.scales
+    # The loop carried no memory out of an overflowed window, and its count restarted.
+    assert engine.entering[3] is None and engine.entering[4] is None
+    assert finite_memory(engine.entering[5]) and loop.state.nonfinite_in_a_row == 0
+    # max_nonfinite_steps counts the skipped steps the same way under the real scaler.
+    loop = make_loop(poison=set(range(1, 100)), limit=3)
+    loop.engine = ScalingEngine(loop.engine.module, poison=set(range(1, 100)))
+    with warnings.catch_warnings(), pytest.raises(NonFiniteLoss, match="3 non-finite"):
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            loop._micro_step(data)
+            loop.state.step += 1
+    assert loop.engine.updated == [False, False] and loop.engine.scales == [128, 64]
