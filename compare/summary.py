@@ -93,6 +93,8 @@ def describe_protocol(p: dict[str, str]) -> str:
         text += f", {g['max_segments']} segments per row"
     if p.get("carry_memory") == "False":
         text += ", memory reset before every segment"
+    if p.get("weights"):
+        text += f", weights {p['weights']}"
     return text
 
 

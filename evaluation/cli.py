@@ -24,6 +24,7 @@ from train.config import RunConfig
 from train.distributed import device_for, resolve_env
 from train.evaluate import evaluate, headline, protocol_for
 from train.export import load_weights_once
+from train.master_weights import checkpoint_weights
 from train.run_access import load_run_config, log_to_run, pick_checkpoint
 from train.run_dir import RunDir, atomic_write_json
 
@@ -107,7 +108,8 @@ def run_eval(cfg: RunConfig, checkpoint: str | None, track: bool = True,
 
 
 def _single(cfg, model, manifest, info, env, device, track) -> dict:
-    proto = protocol_for(cfg)
+    proto = protocol_for(cfg, weights=checkpoint_weights(cfg.deepspeed.precision,
+                                                         info.zero_stage))
     report = evaluate(model, model, manifest, proto, env.rank, env.world_size, device,
                       url_template=cfg.data.url_template, seed=cfg.data.seed)
     report.update(checkpoint=info.path.name, step=info.step)

@@ -338,7 +338,8 @@ def test_nothing_to_compare_exits_2_with_a_clear_message(case, real, local_store
 def test_protocol_text_from_params_reads_like_the_training_log():
     from train.evaluate import EvalProtocol
 
-    for changes in ({}, {"max_segments": 0}, {"carry_memory": False, "same_length": True}):
+    for changes in ({}, {"max_segments": 0}, {"carry_memory": False, "same_length": True},
+                    {"weights": "bf16 (training copy)"}, {"weights": ""}):
         proto = EvalProtocol(**{**PROTOCOL, **changes})
         params = {k: str(v) for k, v in {**PROTOCOL, **changes}.items()}
         assert describe_protocol(params) == proto.describe()

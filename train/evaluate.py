@@ -41,13 +41,18 @@ class EvalProtocol:
     # False: every segment starts from an empty memory (the memory switched off; works the
     # same for all three mechanisms, RMT's memory tokens included).
     carry_memory: bool = True
+    # Which copy of the weights was scored: "fp32", or in a bf16/fp16 run "bf16 (training
+    # copy)" during training and "fp32 (master copy)" in the final report and `memtrain
+    # eval` (train/master_weights.py). Empty: not stated (the sweep and other tools).
+    weights: str = ""
 
     def describe(self) -> str:
         return (f"{self.split}: tgt_len {self.tgt_len}, mem_len {self.mem_len}, clamp_len "
                 f"{self.clamp_len}, same_length {self.same_length}, {self.batch} rows, "
                 f"first {self.skip_segments} segments of each row not scored"
                 + (f", {self.max_segments} segments per row" if self.max_segments else "")
-                + ("" if self.carry_memory else ", memory reset before every segment"))
+                + ("" if self.carry_memory else ", memory reset before every segment")
+                + (f", weights {self.weights}" if self.weights else ""))
 
 
 def protocol_for(cfg: RunConfig, ev: EvalConfig | None = None, split: str | None = None,

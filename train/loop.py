@@ -26,6 +26,7 @@ from . import checkpoint as ckpt
 from .bptt import run_window
 from .evaluate import evaluate, headline, protocol_for
 from .export import export_checkpoint
+from .master_weights import fp32_master_model, scored_weights
 from .progress import Progress, peak_memory_mb
 
 
@@ -185,14 +186,39 @@ class TrainingLoop:
             print(f"saved checkpoint {path}", flush=True)
 
     # ------------------------------------------------------------------ evaluation
+    # What the final report scores, chosen once (class default: tests build the loop
+    # without __init__).
+    _final_scored: tuple | None = None
+
+    def _scored(self, final: bool) -> tuple:
+        """(forward, module, weights) an evaluation scores. Validations score the engine's
+        module, the training copy (ZeRO-3 gathers its parameters in the engine's hooks). The
+        final report of a bf16/fp16 run scores a plain model of DeepSpeed's fp32 master
+        weights instead, gathered from the optimizer once (train/master_weights.py): the
+        weights the checkpoint, `memtrain export` and `memtrain eval` hold."""
+        precision = self.cfg.deepspeed.precision
+        training_copy = (self.engine, self.engine.module, scored_weights(precision, False))
+        if precision == "fp32" or not final:
+            return training_copy
+        if self._final_scored is None:
+            model = fp32_master_model(self.engine, self.cfg.model, self.device)
+            if model is None:
+                warnings.warn(f"no fp32 master weights found in DeepSpeed's "
+                              f"{type(self.engine.optimizer).__name__}: the final report "
+                              f"scores the {precision} training copy", stacklevel=2)
+            self._final_scored = training_copy if model is None else (
+                model, model, scored_weights(precision, True))
+        return self._final_scored
+
     def validate(self, split: str | None = None, final: bool = False) -> dict:
         cfg = self.cfg
         split = split or (cfg.eval.split if final else cfg.data.valid_split)
-        proto = protocol_for(cfg, split=split)
+        forward, module, weights = self._scored(final)
+        proto = protocol_for(cfg, split=split, weights=weights)
         # During a curriculum, validation scores the stage being trained; the final
         # evaluation always scores the task's own segment count.
         stage = None if final else self.curriculum.segments
-        report = evaluate(self.engine, self.engine.module, self.manifest, proto, self.env.rank,
+        report = evaluate(forward, module, self.manifest, proto, self.env.rank,
                           self.env.world_size, self.device,
                           url_template=cfg.data.url_template, seed=cfg.data.seed,
                           n_segments=stage)
@@ -225,8 +251,9 @@ class TrainingLoop:
         cfg = self.cfg
         reports = {"main": self.validate(final=True)}
         if cfg.eval.no_memory_baseline:
-            proto = protocol_for(cfg, carry_memory=False)
-            base = evaluate(self.engine, self.engine.module, self.manifest, proto,
+            forward, module, weights = self._scored(final=True)
+            proto = protocol_for(cfg, carry_memory=False, weights=weights)
+            base = evaluate(forward, module, self.manifest, proto,
                             self.env.rank, self.env.world_size, self.device,
                             url_template=cfg.data.url_template)
             reports["no_memory"] = base
@@ -234,6 +261,7 @@ class TrainingLoop:
             if self.env.is_main:
                 print(f"[same model, memory switched off] {headline(base)}", flush=True)
         reports["step"] = self.state.step
+        self._final_scored = None      # the fp32 model's memory back before the export
         self.tracker.log_json(reports, "eval_report.json")
 
     # ------------------------------------------------------------------ the loop

@@ -31,6 +31,7 @@ from .distributed import (
 from .engine import build_ds_config, initialize, zero_stage
 from .evaluate import protocol_for
 from .loop import NonFiniteLoss, TrainingLoop
+from .master_weights import scored_weights
 from .precision import check_precision, configure_matmul
 from .resume import restore
 from .run_dir import RUNNING, RunDir, atomic_write_json, atomic_write_text
@@ -154,8 +155,10 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
                       run_name=cfg.name, tracking_uri=cfg.tracking.uri or None,
                       params={**cfg.to_dict(), "ds": ds_config,
                               "valid_protocol": asdict(protocol_for(
-                                  cfg, split=cfg.data.valid_split)),
-                              "final_protocol": asdict(protocol_for(cfg))},
+                                  cfg, split=cfg.data.valid_split, weights=scored_weights(
+                                      cfg.deepspeed.precision, final=False))),
+                              "final_protocol": asdict(protocol_for(cfg, weights=scored_weights(
+                                  cfg.deepspeed.precision, final=True)))},
                       tags={"model_type": "memory-augmented-lm",
                             "mechanism": cfg.model.mechanism, "git_commit": git_commit(),
                             "world_size": env.world_size,

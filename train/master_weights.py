@@ -1,0 +1,100 @@
+"""Which weights an evaluation scores, and the fp32 master weights of a half-precision run
+as a plain model.
+
+In a bf16 / fp16 run DeepSpeed casts the engine's module to the training dtype and keeps
+the fp32 master copy in its optimizer wrapper, which the updates are applied to
+(train/precision.py). So the same run holds two models: validations during training score
+the half-precision training copy (what the next steps compute with), while the checkpoint's
+consolidated weights, `memtrain export` and `memtrain eval` are the fp32 master copy (at
+ZeRO 1-3; `checkpoint_weights`). The final report of a run (`[final step N]`,
+eval_report.json) scores the fp32 master copy, so that it is the number `memtrain eval`
+gives for the last checkpoint, and every protocol line says which copy it scored
+(`scored_weights`). In an fp32 run the two are one model.
+
+`fp32_master_model` gathers the master copy in memory, where DeepSpeed keeps it:
+- ZeRO-1/2/3 and DeepSpeed's bf16 optimizer (bf16 at ZeRO-1 with fp32 gradient sums):
+  `deepspeed.utils.safe_get_full_fp32_param`, which reassembles a parameter's fp32
+  partitions from all ranks (a collective);
+- no ZeRO (fp16 / bf16 with `deepspeed.grad_dtype: half` at stage 0): the FP16 optimizer
+  wrappers' own fp32 copies (`fp32_groups`, or `fp32_groups_flat` for the fused one) of their
+  `fp16_groups` (deepspeed/runtime/fp16/), every rank holding all of it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from model import ModelConfig, build_model
+
+MASTER = "fp32 (master copy)"
+
+
+def scored_weights(precision: str, final: bool) -> str:
+    """The words of EvalProtocol.weights for an evaluation of a `precision` run: the final
+    report scores the fp32 master copy, the validations the training copy."""
+    if precision == "fp32":
+        return "fp32"
+    return MASTER if final else f"{precision} (training copy)"
+
+
+def checkpoint_weights(precision: str, zero_stage: int) -> str:
+    """The words of EvalProtocol.weights for the weights `memtrain eval` reads from a
+    checkpoint of a `precision` run (train/export.py, fp32_state_dict): the fp32 master
+    copy, consolidated from the optimizer files, at ZeRO 1-3; without ZeRO the module
+    file's weights, which are the training copy (a bf16/fp16 run at ZeRO-0 keeps its fp32
+    copies only inside the optimizer's state, with no parameter names to read them by)."""
+    if precision == "fp32" or zero_stage > 0:
+        return scored_weights(precision, final=True)
+    return f"{precision} (training copy)"
+
+
+def _fp16_optimizer_masters(optimizer) -> dict[int, torch.Tensor]:
+    """{id(training parameter): its fp32 master} of DeepSpeed's FP16_Optimizer /
+    FP16_UnfusedOptimizer (no ZeRO); empty for any other optimizer."""
+    groups = getattr(optimizer, "fp16_groups", None)
+    if groups is None:
+        return {}
+    if hasattr(optimizer, "fp32_groups_flat"):          # fused: one flat tensor per group
+        from torch._utils import _unflatten_dense_tensors
+
+        masters = [_unflatten_dense_tensors(flat, group)
+                   for flat, group in zip(optimizer.fp32_groups_flat, groups, strict=True)]
+    elif hasattr(optimizer, "fp32_groups"):             # unfused: one tensor per parameter
+        masters = optimizer.fp32_groups
+    else:
+        return {}
+    return {id(p): m for group, ms in zip(groups, masters, strict=True)
+            for p, m in zip(group, ms, strict=True)}
+
+
+def master_state(engine) -> dict[str, torch.Tensor] | None:
+    """{parameter name: full fp32 master tensor} of the engine's module; None when
+    DeepSpeed keeps no master copy this code knows. Collective: every rank calls it."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    fallback: dict[int, torch.Tensor] | None = None
+    out = {}
+    for name, param in engine.module.named_parameters():
+        full = safe_get_full_fp32_param(param)
+        if full is None:
+            if fallback is None:
+                fallback = _fp16_optimizer_masters(engine.optimizer)
+            full = fallback.get(id(param))
+        if full is None:
+            return None
+        out[name] = full.detach()
+    return out
+
+
+def fp32_master_model(engine, model_cfg: ModelConfig, device: torch.device):
+    """A plain fp32 model (no DeepSpeed) holding the engine's fp32 master weights, on
+    `device`; None when no master copy was found. Collective (master_state)."""
+    state = master_state(engine)
+    if state is None:
+        return None
+    with torch.random.fork_rng(devices=[]):   # its random init must not move the run's RNG
+        model = build_model(model_cfg)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(state[name].reshape(param.shape))
+    return model.to(device)
