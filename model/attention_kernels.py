@@ -11,7 +11,8 @@ Three exact ways to compute softmax(A) V (model/attention.py holds the plain ref
   backward). Gives logsumexp_j A_ij with its gradient: what LaMemo needs (LaMemo §3.2, Eq. 11).
 - "sdpa": torch's scaled_dot_product_attention with the positional term (and -inf for masked
   keys) as an additive float bias. On CUDA that bias rules out FlashAttention (no attn_mask at
-  all) and leaves the memory-efficient kernel (float bias with gradient), which needs the
+  all) and leaves the memory-efficient kernel (float bias with gradient), pinned with the
+  math path as fallback (`sdpa_backends`), which needs the
   head dimension to be a multiple of 8: `sdpa_head_pad` pads q, k, v with zero columns when
   it is not (exact: zero columns add nothing to q·k, the padded output columns are dropped,
   the scale stays 1/sqrt(d_head)). Without a fused kernel SDPA runs its math fallback.
@@ -160,6 +161,21 @@ def choose_kernel(impl: str, device_type: str, *, need_lse: bool, record: bool,
     return "sdpa" if device_type == "cuda" or not grad else "one_pass"
 
 
+def sdpa_backends(device_type: str) -> list | None:
+    """The SDPA backends training may take on this device, in torch's order of preference.
+
+    CUDA: the memory-efficient kernel (the only fused one with a float bias and its
+    gradient), then the math path as the stated fallback for shapes or dtypes it rejects.
+    Pinned rather than left to torch's choice, so that training runs what the GPU preflight
+    checks (tests/test_gpu_preflight.py removes the fallback there, so that a shape the
+    kernel rejects fails loudly instead of silently running math). CPU: torch's own choice
+    (the bias rules out its fused kernels for gradients; evaluation is measured with it)."""
+    if device_type != "cuda":
+        return None
+    from torch.nn.attention import SDPBackend
+    return [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def sdpa_relative(qu, k, v, bias, *, dropatt: float, scale: float,
                   pad: int | None = None) -> torch.Tensor:
     """SDPA with an additive float bias, the head zero-padded for the fused CUDA kernel.
@@ -173,8 +189,15 @@ def sdpa_relative(qu, k, v, bias, *, dropatt: float, scale: float,
         pad = sdpa_head_pad(qu.shape[-1], qu.device.type)
     if pad:
         qu, k, v = (F.pad(t, (0, pad)) for t in (qu, k, v))
-    out = F.scaled_dot_product_attention(qu, k, v, attn_mask=bias, dropout_p=dropatt,
-                                         scale=scale)
+    backends = sdpa_backends(qu.device.type)
+    if backends is None:
+        out = F.scaled_dot_product_attention(qu, k, v, attn_mask=bias, dropout_p=dropatt,
+                                             scale=scale)
+    else:
+        from torch.nn.attention import sdpa_kernel
+        with sdpa_kernel(backends):
+            out = F.scaled_dot_product_attention(qu, k, v, attn_mask=bias, dropout_p=dropatt,
+                                                 scale=scale)
     return out[..., :out.shape[-1] - pad] if pad else out
 
 

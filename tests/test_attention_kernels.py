@@ -146,6 +146,34 @@ def test_sdpa_with_zero_padded_head_equals_plain_path(pad):
     _assert_same((out, None, torch.autograd.grad(loss, tensors)), ref)
 
 
+def test_training_sdpa_on_cuda_is_pinned_to_the_memory_efficient_kernel_then_math(
+        monkeypatch):
+    """What the GPU preflight checks is what training runs: on CUDA, SDPA may take the
+    memory-efficient kernel or the math fallback, never another fused kernel of torch's
+    choosing. The CPU cannot run CUDA kernels, so the CUDA pin is applied to a CPU call and
+    the backend flags SDPA sees are read inside it."""
+    from torch.nn.attention import SDPBackend
+
+    from model import attention_kernels
+    assert attention_kernels.sdpa_backends("cuda") == [SDPBackend.EFFICIENT_ATTENTION,
+                                                        SDPBackend.MATH]
+    assert attention_kernels.sdpa_backends("cpu") is None
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        b = torch.backends.cuda
+        seen.append((b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(),
+                     b.math_sdp_enabled(), b.cudnn_sdp_enabled()))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(attention_kernels, "sdpa_backends",
+                        lambda device_type, pin=attention_kernels.sdpa_backends: pin("cuda"))
+    q = torch.randn(1, 2, 3, 8)
+    sdpa_relative(q, q, q, torch.zeros(1, 1, 3, 3), dropatt=0.0, scale=0.3, pad=0)
+    assert seen == [(False, True, True, False)]   # flash, memory-efficient, math, cuDNN
+
+
 def test_head_padding_is_asked_only_on_cuda_and_only_up_to_a_multiple_of_eight():
     assert [sdpa_head_pad(d, "cuda") for d in (41, 64, 48, 1, 8)] == [7, 0, 0, 7, 0]
     assert sdpa_head_pad(41, "cpu") == 0

@@ -9,8 +9,9 @@ run (they check the tests' own harness on the same code path); the "cuda" cases 
 with a reason and check, on a GPU, what no CPU run can (docs/cluster.md, checklist item 9):
 
 1. XL's training attention with a head that no fused kernel takes as is (d_head 41, the
-   WikiText-103 configs' 410 / 10) runs in the memory-efficient SDPA kernel, the only
-   backend allowed, in fp32, bf16 and fp16, and equals the plain reference path.
+   WikiText-103 configs' 410 / 10) runs in the memory-efficient SDPA kernel (training's own
+   backend pin, model/attention_kernels.py `sdpa_backends`, with its math fallback removed),
+   in fp32, bf16 and fp16, and equals the plain reference path.
 2. A training loop's micro-steps wait for the device only where tests/test_sync_free.py
    allows it (one read per optimizer step), counted by CUDA itself with
    `torch.cuda.set_sync_debug_mode("warn")`: it also sees waits that the wrappers of that
@@ -22,6 +23,7 @@ with a reason and check, on a GPU, what no CPU run can (docs/cluster.md, checkli
 
 from __future__ import annotations
 
+import traceback
 import warnings
 from contextlib import contextmanager, nullcontext
 
@@ -40,14 +42,25 @@ NO_CUDA = pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device: run this file
 DEVICES = ["cpu", pytest.param("cuda", marks=NO_CUDA)]
 
 
+@contextmanager
 def _fused_kernel_only(device: str):
-    """On CUDA, SDPA may use the memory-efficient kernel and nothing else: if the padded head
-    or the positional bias rules it out, SDPA raises instead of falling back to its math
-    path. On the CPU the bias always takes the math path (nothing to restrict)."""
+    """Training's own SDPA pin (model/attention_kernels.py, `sdpa_backends`: the
+    memory-efficient kernel, then math) with the math fallback removed: if the padded head or
+    the positional bias rules the kernel out, SDPA raises instead of silently running math.
+    On the CPU the bias always takes the math path (nothing to restrict)."""
     if device != "cuda":
-        return nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION])
+        yield
+        return
+    from torch.nn.attention import SDPBackend
+
+    from model import attention_kernels
+    pinned = attention_kernels.sdpa_backends
+    assert pinned("cuda")[0] == SDPBackend.EFFICIENT_ATTENTION   # what training prefers
+    attention_kernels.sdpa_backends = lambda device_type: pinned(device_type)[:1]
+    try:
+        yield
+    finally:
+        attention_kernels.sdpa_backends = pinned
 
 
 def _xl_head_41():
@@ -122,18 +135,27 @@ def test_xl_training_attention_with_head_41_runs_fused_and_equals_the_plain_path
 
 @contextmanager
 def cuda_sync_reports():
-    """A list that, after the body, holds where each host wait CUDA reported was called."""
+    """A list that, after the body, holds where each host wait CUDA reported was called
+    (file:line of the warning, then the innermost frames of the project or torch that led
+    there, so that a failure names the caller and not only torch's line)."""
     seen: list[str] = []
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    shown = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            frames = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}"
+                      for f in traceback.extract_stack()[:-1]][-8:]
+            seen.append(f"{filename}:{lineno} <- " + " <- ".join(reversed(frames)))
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             yield seen
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    seen.extend(f"{w.filename}:{w.lineno}" for w in caught
-                if "synchroniz" in str(w.message))
+            warnings.showwarning = shown
 
 
 @pytest.mark.parametrize("device", DEVICES)
