@@ -14,6 +14,7 @@ import pytest
 import torch
 from deepspeed.accelerator import real_accelerator
 from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+from deepspeed.utils import groups
 from train_helpers import free_port, tiny_config
 
 from model import build_model
@@ -228,6 +229,9 @@ def test_deepspeed_engine_and_zero3_use_the_single_visible_gpu(monkeypatch, tmp_
         engine, _ = initialize(build_model(cfg.model), cfg, build_ds_config(cfg, 1))
     finally:
         torch.distributed.destroy_process_group()
+        # DeepSpeed's cached groups of it go too (as deepspeed.comm.destroy_process_group
+        # does), or the next engine made in this process finds them.
+        groups._release_process_group_references(None)
     # The engine's set_device and device_name, then zero.Init's device_name (its set_device
     # is given the device so named).
     assert accel.indices == [0, 0, 0], accel.indices

@@ -67,8 +67,9 @@ def _train(tmp_path, monkeypatch, capsys, overrides):
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
-        # train() leaves torch's process group; DeepSpeed's cached groups of it go too (what
-        # deepspeed.comm.destroy_process_group does), or the next engine here finds them.
+        # train() leaves torch's process group; DeepSpeed's cached groups of it go too (as
+        # deepspeed.comm.destroy_process_group does), or the next engine made in this
+        # process finds them.
         groups._release_process_group_references(None)
     report = json.loads((cfg.resolved_run_dir / "eval_report.json").read_text())
     return cfg, capsys.readouterr().out, report, seen
