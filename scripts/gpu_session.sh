@@ -2,7 +2,8 @@
 # What a first session on one GPU runs, in order (docs/cluster.md, "First GPU session"):
 #   1. device facts (nvidia-smi, torch, CUDA, bf16 support);
 #   2. the GPU preflight, tests/test_gpu_preflight.py (its "cuda" cases);
-#   3. the quickstart in fp32, bf16 and fp16 through the whole engine (DeepSpeed, one rank),
+#   3. the quickstart in fp32 (TF32 matmuls, and full fp32), bf16 and fp16 through the whole
+#      engine (DeepSpeed, one rank),
 #      and in bf16 and fp16 once more, stopped by SIGTERM at step STOP_AT and resumed by the
 #      same command: the final test losses of all five and the stopped runs' losses after
 #      the stop against the uninterrupted runs';
@@ -61,6 +62,7 @@ stop_and_resume() {  # stop_and_resume NAME OVERRIDES...: SIGTERM at step STOP_A
 
 pids=()
 train q-fp32 & pids+=($!)
+train q-fp32-notf32 deepspeed.tf32=false & pids+=($!)
 train q-bf16 deepspeed.precision=bf16 & pids+=($!)
 train q-fp16 deepspeed.precision=fp16 & pids+=($!)
 stop_and_resume q-bf16-stop deepspeed.precision=bf16 & pids+=($!)
@@ -79,7 +81,7 @@ def losses(name):
 def report(name):
     p = runs / name / "eval_report.json"
     return json.loads(p.read_text()) if p.exists() else None
-for name in ("q-fp32", "q-bf16", "q-fp16", "q-bf16-stop", "q-fp16-stop"):
+for name in ("q-fp32", "q-fp32-notf32", "q-bf16", "q-fp16", "q-bf16-stop", "q-fp16-stop"):
     status = (runs / name / "status.json")
     print(name, "status:", json.loads(status.read_text()) if status.exists() else None)
     print("  eval report:", json.dumps(report(name)))
@@ -100,10 +102,10 @@ echo "preflight exit $?: $(tail -1 "$OUT/preflight.log")" | tee -a "$OUT/summary
 
 if [ "${BENCH:-0}" = 1 ]; then
   {
-    timeout 150 "$PY" benchmarks/bench_lamemo_cost.py --shape wt103 --batch 8 --device cuda \
+    timeout 120 "$PY" benchmarks/bench_lamemo_cost.py --shape wt103 --batch 8 --device cuda \
       --dtype bf16
     timeout 150 "$PY" benchmarks/bench_compile.py --parts model --device cuda --dtype bf16
-    timeout 200 "$PY" benchmarks/bench_recompute.py --parts recompute --device cuda \
+    timeout 150 "$PY" benchmarks/bench_recompute.py --parts recompute --device cuda \
       --dtype bf16 --policies full,save-ffn-out:2,save-ffn-out,save-linear --keep-last 1 \
       --recompute-time-depths 4,16 --recompute-memory-depths 1,16
   } >"$OUT/bench.log" 2>&1
