@@ -143,7 +143,10 @@ def cuda_sync_reports():
     shown = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" in str(message):
+        # The waits CUDA reports ("called a synchronizing CUDA operation"), not the one-time
+        # notice torch 2.11 gives when the mode is switched on (set_sync_debug_mode's own
+        # warning, which also speaks of synchronization: seen on an H200, 2026-11-26).
+        if "synchronizing CUDA operation" in str(message):
             frames = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}"
                       for f in traceback.extract_stack()[:-1]][-8:]
             seen.append(f"{filename}:{lineno} <- " + " <- ".join(reversed(frames)))
