@@ -54,6 +54,24 @@ def test_zero_model_states_by_hand(precision, stage, expected):
     assert got == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("precision,stage,expected", [
+    # bf16/fp16 with fp32 gradient sums (the default deepspeed.grad_dtype): at stage 1 the
+    # half gradients plus a whole fp32 buffer (2 + 4 B); from stage 2 fp32 partitions
+    ("bf16", 1, (2_000_000, 6_000_000, 1_500_000)),
+    ("fp16", 2, (2_000_000, 500_000, 1_500_000)),
+    ("bf16", 3, (250_000, 500_000, 1_500_000)),
+])
+def test_fp32_gradient_sums_are_counted_in_the_model_states(precision, stage, expected):
+    got = tuple(v for _, v in model_states(PSI, stage, precision, 8, grad_fp32=True))
+    assert got == pytest.approx(expected)
+
+
+def test_the_reduce_bucket_is_counted_in_the_communication_dtype():
+    p = count_params(ModelConfig())
+    z2 = {"zero_optimization": {"stage": 2}}
+    assert zero_buffers({**z2, "communication_data_type": "fp32"}, "bf16", p) == 5e8 * 4
+
+
 @pytest.mark.parametrize("stage,measured_mib", [(0, 314.4), (2, 235.8), (3, 196.5)])
 def test_zero_model_states_match_deepspeed_measurement(stage, measured_mib):
     # BENCHMARKS.md: XL with 20,607,232 parameters, fp32, 2 ranks, bytes DeepSpeed held.

@@ -53,10 +53,20 @@ CATEGORIES = {"scores": "attention scores, probabilities, masks [B,H,Q,K]",
 SEARCH_CAP = 1 << 20     # depth and mem_len searches stop here
 
 
-def model_states(psi: int, stage: int, precision: str, n_d: int) -> list[tuple[str, float]]:
-    """(label, bytes per GPU) of parameters, gradients and optimizer state (module doc)."""
+def model_states(psi: int, stage: int, precision: str, n_d: int,
+                 grad_fp32: bool = False) -> list[tuple[str, float]]:
+    """(label, bytes per GPU) of parameters, gradients and optimizer state (module doc).
+
+    grad_fp32 (bf16/fp16 with `deepspeed.grad_dtype: fp32`, train/precision.py): DeepSpeed
+    sums the gradients in fp32 buffers. At stage 1 beside the half-precision gradients, whole
+    (2 + 4 B: the bf16 optimizer's fp32 gradient buffer, or ZeRO-1's per-parameter
+    `grad_accum`); from stage 2 the partitioned gradients are fp32 (4 B / N_d). Read from
+    deepspeed/runtime/bf16_optimizer.py and zero/stage_1_and_2.py, stage3.py (0.19.8), not
+    measured on a GPU."""
     half = precision != "fp32"
     p_b, g_b = (2, 2) if half else (4, 4)
+    if half and grad_fp32:
+        g_b = 6 if stage <= 1 else 4
     opt_b = 12 if half else 8 + (4 if stage >= 1 else 0)
     part = lambda b, from_stage: b * psi / (n_d if stage >= from_stage else 1)  # noqa: E731
     kind = "bf16/fp16" if half else "fp32"
@@ -74,7 +84,8 @@ def zero_buffers(ds: dict, precision: str, params: Params) -> float:
     stage, z = zero_stage(ds), ds.get("zero_optimization", {})
     if stage == 0:
         return 0.0
-    s = 4 if precision == "fp32" else 2
+    # The buckets hold the gradients in the communication dtype (fp32 under grad_dtype fp32).
+    s = 4 if precision == "fp32" or ds.get("communication_data_type") == "fp32" else 2
     reduce = float(z.get("reduce_bucket_size", 5e8)) * s
     if z.get("contiguous_gradients", True) is False and stage < 3:
         reduce = 0.0
@@ -154,7 +165,8 @@ def setup_for(cfg: RunConfig, gpu_mib: float, nodes: int, per_node: int,
     params = count_params(cfg.model)
     stage, prec = zero_stage(ds), cfg.deepspeed.precision
     static = [(f"model states, ZeRO-{stage}: {label}", v)
-              for label, v in model_states(params.total, stage, prec, world)]
+              for label, v in model_states(params.total, stage, prec, world,
+                                           grad_fp32=cfg.deepspeed.grad_dtype == "fp32")]
     extra = ", prefetch, gathered tensor" if stage == 3 else ""
     static.append((f"ZeRO-{stage} buffers (reduce bucket{extra})", zero_buffers(ds, prec, params)))
     episodes = None
