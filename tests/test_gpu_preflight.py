@@ -19,6 +19,12 @@ with a reason and check, on a GPU, what no CPU run can (docs/cluster.md, checkli
 3. `model.compile` on the GPU (Triton kernels) trains with eager's losses and compiles no
    graph once the memory is full (tests/test_compile.py's training, on the device; its CPU
    case is that file's own test).
+
+A first GPU session runs, in order (docs/cluster.md, "A first GPU session";
+`BENCH=1 bash scripts/gpu_session.sh` does 1-4): 1. device facts; 2. this file; 3. the
+quickstart through the engine in fp32 (TF32 and full), bf16 and fp16, bf16 and fp16 stopped
+by SIGTERM and resumed; 4. the "On a GPU" benchmarks of BENCHMARKS.md; 5. on several GPUs,
+the 2-rank engine tests under nccl. All 12 cases passed on one H200 (2026-11-26).
 """
 
 from __future__ import annotations
