@@ -1,4 +1,4 @@
-"""The memory planner's activation model (train/memory_model.py) against measured bytes.
+"""The memory planner's activation model (planner/activations.py) against measured bytes.
 
     .venv/bin/python benchmarks/bench_memory_plan.py            # the table of BENCHMARKS.md
     .venv/bin/python benchmarks/bench_memory_plan.py --quick    # three small rows
@@ -47,9 +47,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data_pipeline.streams import SegmentBatch  # noqa: E402
 from model import ModelConfig, build_model  # noqa: E402
 from model.compiled import compile_core, compiled_graphs  # noqa: E402
+from planner.activations import Dims, count_params  # noqa: E402
+from planner.window import window_memory  # noqa: E402
 from train.bptt import run_window  # noqa: E402
-from train.memory_model import Dims, count_params  # noqa: E402
-from train.memory_window import window_memory  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -197,7 +197,7 @@ CASES += [
     ("wt103-shape rmt k=2 ckpt-seg", dict(WT103, mechanism="rmt", mem_len=0,
                                           rmt={"num_mem_tokens": 10}), 2, 2, True, "fp32"),
 ]
-# Selective recompute (bptt.recompute, keep_last_segments; train/memory_recompute.py): the
+# Selective recompute (bptt.recompute, keep_last_segments; planner/recompute.py): the
 # checkpointed segments keep op outputs too. (label, ..., {recompute, keep_last}).
 RMT16 = _small(mechanism="rmt", mem_len=0, rmt={"num_mem_tokens": 16})
 CASES += [

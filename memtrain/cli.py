@@ -54,7 +54,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "compare": ("compare.cli", "main_compare",
                 "compare MLflow runs in one self-contained HTML report (+ markdown)"),
     "export": ("train.cli", "main_export", "write a run's weights as one fp32 safetensors file"),
-    "plan": ("train.memory_plan", "main_plan",
+    "plan": ("planner.plan", "main_plan",
              "per-GPU memory before submitting: ZeRO model states, one BPTT window, the "
              "largest bptt.depth and mem_len that fit"),
     "submit": ("cluster.submit", "main_submit", "render a run's sbatch script and submit it"),

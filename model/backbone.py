@@ -87,6 +87,12 @@ class RelativeBackbone(nn.Module):
         self.rel_v = Learned(torch.zeros(shape))
         self.drop = nn.Dropout(cfg.dropout)
 
+    @classmethod
+    def segment_shapes(cls, cfg: ModelConfig, rows: int, mem_len: int):
+        """One training segment's shapes (model/shapes.py `SegmentShapes`): each mechanism
+        states its own, next to its forward."""
+        raise NotImplementedError(f"{cls.__name__} states no segment shapes")
+
     @property
     def u_bias(self) -> nn.Parameter:
         return self.rel_u.value

@@ -29,6 +29,7 @@ from .backbone import Learned, Lengths, RelativeBackbone, causal_allowed
 from .config import ModelConfig
 from .memory import LaMemoMemory, _fifo, _last
 from .positional import distance_list
+from .shapes import AttentionShape, LayerShape, SegmentShapes, TensorShape
 
 
 class LaMemo(RelativeBackbone):
@@ -39,6 +40,42 @@ class LaMemo(RelativeBackbone):
         self.opts = cfg.lamemo
         # Set to a list to record α [B, M, H] per layer and step (LaMemo Fig. 6 analysis).
         self.alpha_log: list[torch.Tensor] | None = None
+
+    @classmethod
+    def segment_shapes(cls, cfg: ModelConfig, rows: int, mem_len: int) -> SegmentShapes:
+        """Every layer: the causal branch (L queries, K = M + L keys and distances) and the
+        look-ahead (M memory queries over min(M, L) keys, M distances; its K, V views of the
+        causal call's), whose log-normalisers, α and C← the interpolation saves (Eq. 7-11);
+        W_o and the FFN over all M + L rows. The top layer's refresh runs without a graph
+        and only its L rows go on. Layer 0 reads the cached embeddings; above, the layer
+        below's [memory ∘ segment] output. State: the embeddings, per layer C_mem and fp32
+        log S_mem."""
+        b, m, n, h, dh = rows, mem_len, cfg.tgt_len, cfg.n_head, cfg.d_head
+        k = m + n
+        causal = AttentionShape(n, k, k, q_input=n, kv_input=k, mask_per_row=True,
+                                need_lse=True)
+        log_norm, context = TensorShape((b, m, h), "fp32"), TensorShape((b, m, h, dh))
+        mixed = (log_norm, log_norm, log_norm, context, TensorShape((b, m, h), "cast"))
+        layers = []
+        for i in range(cfg.n_layer):
+            top = i == cfg.n_layer - 1
+            ahead = AttentionShape(m, min(m, n), m, q_input=m, kv_input=m, mask_per_row=False,
+                                   need_lse=True, shares_kv=True, graph=not top,
+                                   q_input_is_state=i == 0)
+            layers.append(LayerShape(
+                (causal, ahead), out_rows=n if top else k, input_rows=n if i == 0 else k,
+                input_saved=i == 0, saved=() if top else mixed,
+                state_read=() if top else (context, log_norm)))
+        state, text = (), "none (mem_len 0)"
+        if m:
+            state = (TensorShape((b, m, cfg.d_model)),
+                     TensorShape((b, m, h, dh), count=cfg.n_layer),
+                     TensorShape((b, m, h), "fp32", count=cfg.n_layer))
+            text = (f"LaMemo embeddings [{b}, {m}, {cfg.d_model}], {cfg.n_layer} x contexts "
+                    f"[{b}, {m}, {h}, {dh}] + fp32 log-normalisers [{b}, {m}, {h}]")
+        return SegmentShapes(tuple(layers), distances=2 * m + n, output_rows=n, state=state,
+                             state_text=text,
+                             saved_label="LaMemo look-ahead log-normalisers, alpha, contexts")
 
     @property
     def v_bias_future(self) -> nn.Parameter:

@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .adaptive import AdaptiveEmbedding, AdaptiveSoftmax, tie_embeddings
-from .backbone import Lengths
+from .backbone import Lengths, RelativeBackbone
 from .config import ModelConfig
 from .lamemo import LaMemo
 from .memory import MemoryState
@@ -28,7 +28,17 @@ from .recompute import context_fn
 from .rmt import RMT
 from .transformer_xl import TransformerXL
 
+# The mechanism registry: `ModelConfig.mechanism` -> its class (see `core_class`).
 _CORES = {"xl": TransformerXL, "lamemo": LaMemo, "rmt": RMT}
+
+
+def core_class(cfg: ModelConfig) -> type[RelativeBackbone]:
+    """The class that runs `cfg.mechanism`; its `segment_shapes` states a segment's shapes
+    (model/shapes.py)."""
+    if cfg.mechanism == "lamemo" and not cfg.lamemo.look_ahead:
+        # LaMemo Table 3 "w/o look-ahead": only C→, which is exactly Transformer-XL.
+        return TransformerXL
+    return _CORES[cfg.mechanism]
 
 
 @dataclass
@@ -57,11 +67,7 @@ class MemoryLM(nn.Module):
                                        cfg.init_std, cfg.proj_init_std)
         tie_embeddings(self.embedding, self.softmax, cfg.tie_weight, list(cfg.tie_projs))
         self.drop = nn.Dropout(cfg.dropout)
-        core = _CORES[cfg.mechanism]
-        if cfg.mechanism == "lamemo" and not cfg.lamemo.look_ahead:
-            # LaMemo Table 3 "w/o look-ahead": only C→, which is exactly Transformer-XL.
-            core = TransformerXL
-        self.core = core(cfg)
+        self.core = core_class(cfg)(cfg)
         self._init_backbone()
 
     def _init_backbone(self) -> None:

@@ -228,7 +228,7 @@ class _Reuse(TorchDispatchMode):
 class Policy:
     """A parsed `bptt.recompute`: which op outputs a checkpointed segment keeps (None,
     "ffn-out", "linear" or "matmul"), whether dropout's draws, and in how many layers
-    (`limit`, ffn-out only). train/memory_recompute.py counts their bytes from this."""
+    (`limit`, ffn-out only). planner/recompute.py counts their bytes from this."""
 
     outputs: str | None = None
     masks: bool = False

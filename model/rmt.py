@@ -24,6 +24,7 @@ from .backbone import Learned, Lengths, RelativeBackbone
 from .config import ModelConfig
 from .memory import RMTMemory, XLMemory
 from .positional import distance_list
+from .shapes import AttentionShape, LayerShape, SegmentShapes, TensorShape, xl_cache
 
 
 def rmt_allowed(n_mem: int, n_tok: int, cache_len: int, cache_valid: torch.Tensor | None,
@@ -74,6 +75,28 @@ class RMT(RelativeBackbone):
             self.memory_layer_norm = nn.LayerNorm(cfg.d_model)
             if cfg.rmt.memory_norm == "embedding":
                 nn.init.constant_(self.memory_layer_norm.weight, std)
+
+    @classmethod
+    def segment_shapes(cls, cfg: ModelConfig, rows: int, mem_len: int) -> SegmentShapes:
+        """Q = 2m + L rows [read | tokens | write] in every layer, K = M + Q keys (the XL
+        cache of §3.4 when mem_len > 0), signed distances D = Q + K - 1 (memory rows look
+        right inside their blocks). The state: a copy of the write rows [B, m, d] (or the
+        memory LayerNorm's output, which reads them as a view of the output) and the cache."""
+        m, n = cfg.rmt.num_mem_tokens, cfg.tgt_len
+        q = 2 * m + n
+        k = mem_len + q
+        attn = AttentionShape(q, k, q + k - 1, q_input=q, kv_input=k, mask_per_row=mem_len > 0)
+        layer = LayerShape((attn,), out_rows=q, input_rows=q, input_saved=True)
+        tokens = TensorShape((rows, m, cfg.d_model))
+        cache, cache_text = xl_cache(cfg, rows, mem_len)
+        text = f"RMT memory [{rows}, {m}, {cfg.d_model}]" + (f", {cache_text}" if cache else "")
+        norm = cfg.pre_lnorm and cfg.rmt.memory_norm != "none"
+        return SegmentShapes((layer,) * cfg.n_layer, distances=q + k - 1, output_rows=q,
+                             state=(tokens, *cache), state_text=text,
+                             memory_norm_rows=m if norm else 0,
+                             aux_targets=m if cfg.rmt.mem_loss_weight > 0 else 0,
+                             mem_len_adds=None if mem_len else
+                             "an XL cache beside the memory tokens")
 
     @property
     def init_memory(self) -> nn.Parameter:

@@ -13,11 +13,26 @@ from __future__ import annotations
 import torch
 
 from .backbone import Lengths, RelativeBackbone, causal_allowed
+from .config import ModelConfig
 from .memory import XLMemory
 from .positional import distance_list
+from .shapes import AttentionShape, LayerShape, SegmentShapes, xl_cache
 
 
 class TransformerXL(RelativeBackbone):
+    @classmethod
+    def segment_shapes(cls, cfg: ModelConfig, rows: int, mem_len: int) -> SegmentShapes:
+        """Each layer: Q = L queries over K = M + L keys, distances M+L-1 .. 0 (one list for
+        all layers); W_o and the FFN over the L rows. The cache holds the layer inputs; when
+        L = M the new cache IS those inputs (model/memory.py `_last` copies nothing)."""
+        n, k = cfg.tgt_len, mem_len + cfg.tgt_len
+        attn = AttentionShape(n, k, k, q_input=n, kv_input=k, mask_per_row=mem_len > 0)
+        layer = LayerShape((attn,), out_rows=n, input_rows=n, input_saved=True)
+        state, text = xl_cache(cfg, rows, mem_len)
+        return SegmentShapes((layer,) * cfg.n_layer, distances=k, output_rows=n, state=state,
+                             state_text=text or "none (mem_len 0)",
+                             state_aliases_inputs=n == mem_len)
+
     def empty_state(self, batch_size: int, device=None) -> XLMemory:
         return XLMemory(hids=[], length=torch.zeros(batch_size, dtype=torch.long, device=device))
 

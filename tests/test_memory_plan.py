@@ -1,5 +1,5 @@
-"""`memtrain plan` (train/memory_plan.py) and its activation model (train/memory_model.py,
-train/memory_window.py).
+"""`memtrain plan` (planner/plan.py) and its activation model (planner/activations.py,
+planner/window.py).
 
 ZeRO model states against hand-computed numbers and against the bytes DeepSpeed was measured
 to hold (BENCHMARKS.md, "ZeRO: model-state memory per rank"); monotonicity in k and mem_len;
@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 
 from model import ModelConfig
-from train.config import load_config
-from train.memory_model import Dims, count_params
-from train.memory_plan import (
+from planner.activations import Dims, count_params
+from planner.plan import (
     GIB,
     largest,
     main_plan,
@@ -27,7 +26,8 @@ from train.memory_plan import (
     total_bytes,
     zero_buffers,
 )
-from train.memory_window import window_memory
+from planner.window import window_memory
+from train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -1,5 +1,5 @@
 """The planner's count of what a selective `bptt.recompute` policy keeps
-(train/memory_recompute.py) and of `bptt.keep_last_segments` (train/memory_window.py),
+(planner/recompute.py) and of `bptt.keep_last_segments` (planner/window.py),
 against the bytes measured on the CPU (benchmarks/bench_memory_plan.py) and by hand."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from model import ModelConfig
+from planner.activations import Dims, count_params
+from planner.plan import main_plan, recompute_notes
+from planner.recompute import kept_bytes, segment_ops
+from planner.window import window_memory
 from train.config import load_config
-from train.memory_model import Dims, count_params
-from train.memory_plan import main_plan, recompute_notes
-from train.memory_recompute import kept_bytes, segment_ops
-from train.memory_window import window_memory
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 

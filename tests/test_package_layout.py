@@ -2,6 +2,8 @@
 
     model, data_pipeline  <-  train  <-  evaluation
                                      <-  cluster  (launches train; reads its run directory)
+    model, data_pipeline, train's run config and ds-config rendering  <-  planner
+        (`memtrain plan`; train/ never imports it)
     compare: reads MLflow; of train/ only the run directory's layout (train/run_dir.py)
     memtrain: the dispatcher; names subcommand modules as strings, imports none of them
 
@@ -16,7 +18,11 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("memtrain", "model", "data_pipeline", "train", "evaluation", "compare", "cluster")
+PACKAGES = ("memtrain", "model", "data_pipeline", "train", "planner", "evaluation", "compare",
+            "cluster")
+# What planner/ reads beyond model/ and data_pipeline/: the run config, the ZeRO section of
+# the DeepSpeed config, and the command-line conventions every subcommand shares.
+PLANNER_READS = {"train.config", "train.engine", "memtrain.cli"}
 HEAVY = {"torch", "deepspeed"}  # what compare/ must not pull in (README: no training stack)
 
 
@@ -179,6 +185,15 @@ def test_train_model_and_data_import_no_tool_built_on_them():
 
 def test_model_and_data_pipeline_do_not_import_train():
     assert forbidden_imports(SRC, ("model", "data_pipeline"), {"train"}) == []
+
+
+def test_nothing_below_the_planner_imports_it():
+    assert forbidden_imports(SRC, ("train", "model", "data_pipeline"), {"planner"}) == []
+
+
+def test_the_planner_reads_model_data_and_the_run_config_only():
+    banned = {"train", "evaluation", "compare", "cluster", "memtrain"}
+    assert forbidden_imports(SRC, ("planner",), banned, allowed=PLANNER_READS) == []
 
 
 def test_cluster_launches_train_only():

@@ -14,11 +14,9 @@ Around the loop:
     run_dir.py      every file a run directory keeps; tracking.py, loss_curve.py, progress.py
     evaluate.py     scoring under a stated protocol (valid during training, the final report)
     curriculum.py   the segment-count curriculum for task data
-Before a run: memory_plan.py (`memtrain plan`) over memory_model.py (what a segment saves),
-memory_recompute.py (what a checkpointed segment keeps under bptt.recompute) and
-memory_window.py (the window's peak);
-smoke.py (`memtrain smoke`, plain PyTorch). After it: run_access.py, what evaluation/ reads
-a run through.
+Before a run: smoke.py (`memtrain smoke`, plain PyTorch). After it: run_access.py, what
+evaluation/ reads a run through. `memtrain plan`, the GPU-memory planner, is planner/: it
+reads config.py and engine.py, and train/ never imports it.
 
 Never imports evaluation/, compare/ or cluster/ (tests/test_package_layout.py).
 """

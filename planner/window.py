@@ -1,5 +1,5 @@
 """Peak bytes of one training window per GPU (for `memtrain plan`), from the per-block
-accounting of memory_model.py.
+accounting of activations.py.
 
 Peak of a window (train/bptt.py `run_window`, one backward), walked block by block in
 reverse (head, each layer's FFN then attention, embedding): a block frees what it saved and,
@@ -17,16 +17,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .memory_model import (
+from .activations import (
     Block,
     Dims,
     Params,
     positional_bytes,
     segment_blocks,
+    shapes,
     state_bytes,
     tied_bytes,
 )
-from .memory_recompute import kept_bytes
+from .recompute import kept_bytes
 
 
 @dataclass
@@ -52,8 +53,8 @@ def window_memory(dm: Dims, p: Params, n_segments: int, checkpoint_segments: boo
                   recompute: str = "full", keep_last: int = 0) -> WindowMemory:
     """Peak of one window of n_segments. With checkpoint_segments every segment but the last
     `keep_last` is checkpointed and keeps, besides its inputs and outputs, what `recompute`
-    says (memory_recompute.py); the last `keep_last` run as in a plain window."""
-    c = dm.cfg
+    says (recompute.py); the last `keep_last` run as in a plain window."""
+    c, sh = dm.cfg, shapes(dm)
     n_ckpt = max(0, n_segments - keep_last) if checkpoint_segments else 0
     seg_blocks = []
     for first in (True, False)[:n_segments]:
@@ -65,12 +66,8 @@ def window_memory(dm: Dims, p: Params, n_segments: int, checkpoint_segments: boo
             # (saved by q_net, so not recomputed); a LaMemo layer's [memory ∘ segment] output
             # of the layer below (its rows are copied, not saved as such), h0 for layer 0.
             row = dm.rows * c.d_model * dm.s
-            if c.mechanism == "lamemo" and c.lamemo.look_ahead:
-                ins = [(c.tgt_len * row, c.tgt_len * row)] + \
-                    [((c.tgt_len + dm.mem_len) * row, 0.0)] * (c.n_layer - 1)
-            else:
-                q = c.tgt_len + (2 * c.rmt.num_mem_tokens if c.mechanism == "rmt" else 0)
-                ins = [(q * row, q * row)] * c.n_layer
+            ins = [(x.input_rows * row, x.input_rows * row if x.input_saved else 0.0)
+                   for x in sh.layers]
             layers = [_checkpointed(layer, kept, dup)
                       for layer, (kept, dup) in zip(layers, ins, strict=True)]
         seg_blocks.append([emb, *(blk for layer in layers for blk in layer), head])
@@ -80,11 +77,12 @@ def window_memory(dm: Dims, p: Params, n_segments: int, checkpoint_segments: boo
         for cat, v in blk.parts.items():
             cats[cat] = cats.get(cat, 0.0) + v
     state = new_state = state_bytes(dm)
-    if c.mechanism == "xl" and c.tgt_len == dm.mem_len and not c.checkpoint_layers:
-        # L = M: each new cache entry IS a layer's input (model/memory.py `_last`), which the
-        # window saves anyway, unless its segment is checkpointed (counted there with state).
-        # Per-layer checkpointing frees a layer's input after that layer's backward, but
-        # this one stays alive as the cache: counted then.
+    if sh.state_aliases_inputs and not c.checkpoint_layers:
+        # The mechanism says the new state IS the segment's layer inputs (XL with L = M,
+        # model/memory.py `_last`), which the window saves anyway, unless its segment is
+        # checkpointed (counted there with state). Per-layer checkpointing frees a layer's
+        # input after that layer's backward, but this one stays alive as the state: counted
+        # then.
         new_state = 0.0
     outputs = dm.rows * c.tgt_len * 5 + 5056                 # nll, mask, the CPU RNG state
     held = [sum(blk.held for blk in seg) for seg in seg_blocks]

@@ -21,22 +21,21 @@ s bytes of the model dtype: 4 fp32, 2 bf16/fp16; each storage counted once):
 - sub-layers: a dropout mask per dropout (bool on CUDA, `native_dropout`; the noise in the
   model dtype on CPU); LayerNorm its input and row mean/rstd (fp32 on CUDA); the FFN W1's
   input, ReLU output and W2's input [B,Q,d_inner]; pre-LN the LayerNorms' inputs and outputs.
-- LaMemo (model/lamemo.py; Ji et al. 2022 Eq. 7-11): the causal branch as above, the
-  look-ahead (M query rows, min(M, L) keys, M distances), the interpolation (fp32 [B,M,H]
-  log-normalisers and α, the [B,M,H,dh] look-ahead context), and W_o, LayerNorm, FFN over all
-  M+L rows in every layer but the top one (whose look-ahead runs without a graph).
-- RMT (model/rmt.py; Bulatov et al. 2022 §3): Q = 2m+L rows, signed distances D = Q+K-1.
+- the rows, keys and distances of each layer's attention calls, the rows through its W_o and
+  FFN, what else it saves and the state it carries: as each mechanism states them
+  (`segment_shapes`, model/shapes.py; XL Q = L, K = M+L; LaMemo's look-ahead and
+  interpolation, Ji et al. 2022 Eq. 7-11, in model/lamemo.py; RMT Q = 2m+L, D = Q+K-1,
+  Bulatov et al. 2022 §3, in model/rmt.py). Nothing here asks which mechanism it counts.
 - head (model/adaptive.py): W's input, the fp32 log-softmax [N, V] (N = B·L), the targets;
   adaptive softmax (Grave et al. 2016): the concatenated head weight, the head log-softmax and
   its row copy, each tail cluster's rows' log-softmax. Rows per cluster: a Zipf law (rank^-1)
   over the frequency-sorted vocabulary (natural text puts more in the head: an upper bound).
 Memory state (model/memory.py): the FIFO copies the last M rows of [old ∘ new] into a storage
-of their own, so an XL cache costs n_layer·B·M·d·s; LaMemo keeps the embeddings and per layer
-contexts [B,M,H,dh] and fp32 log-normalisers [B,M,H]; RMT's memory is a copy of the write
-rows of the top layer's output [B,m,d] (or the memory LayerNorm's output, as large). When
-L = M the new cache IS the segment's layer inputs (no copy), which the window saves anyway.
+of their own, so a state costs the bytes of the tensors its mechanism lists; when a mechanism
+says the new state IS the segment's layer inputs (XL with L = M: no copy), the window saves
+them anyway.
 
-The peak of a window from these blocks: memory_window.py. Validated on CPU by
+The peak of a window from these blocks: window.py. Validated on CPU by
 benchmarks/bench_memory_plan.py.
 """
 
@@ -49,6 +48,8 @@ import torch
 
 from model import ModelConfig, build_model
 from model.attention_kernels import sdpa_head_pad
+from model.lm import core_class
+from model.shapes import LayerShape, SegmentShapes
 
 
 @dataclass
@@ -223,43 +224,28 @@ def _attention_blocks(dm: Dims, params: int, q_rows: int, kv_rows: int, q: int, 
     return [pos, blk]
 
 
-def _xl_like_layers(dm: Dims, p: Params, q: int, k: int, dist: int, mask_rows: int
-                    ) -> list[list[Block]]:
-    layers = []
-    for _ in range(dm.cfg.n_layer):
-        attn = _attention_blocks(dm, p.attn, q, k, q, k, dist, mask_rows)
-        _post_attention(attn[-1], dm, q)
-        layers.append([*attn, *_ffn(dm, q, p.ff)])
-    return layers
-
-
-def _lamemo_layers(dm: Dims, p: Params, first_in_window: bool) -> list[list[Block]]:
+def _layer_blocks(dm: Dims, p: Params, layer: LayerShape, first_in_window: bool
+                  ) -> list[Block]:
+    """A layer's blocks from its shapes (model/shapes.py): each attention call with a graph,
+    what else it saves, then W_o, LayerNorm and the FFN over its out_rows."""
     c = dm.cfg
-    b, s, h, dh, m, n = dm.rows, dm.s, c.n_head, c.d_head, dm.mem_len, c.tgt_len
-    k, win = m + n, min(m, n)
-    layers = []
-    for i in range(c.n_layer):
-        blocks = _attention_blocks(dm, p.attn, n, k, n, k, k, b, need_lse=True)   # causal
-        if i < c.n_layer - 1:   # look-ahead (Eq. 7-9), interpolation (Eq. 10-11) with a graph
-            blocks += _attention_blocks(dm, 0, m, m, m, win, m, 1, need_lse=True,
-                                        kv_saved=True)
-            if i == 0 and first_in_window and not c.pre_lnorm:
-                # Layer 0's memory rows are the carried embeddings themselves (contiguous
-                # since the FIFO copies them: no new tensor); above, the rows of the layer
-                # below's output are copied.
-                blocks[-2].add("qkv", -b * m * c.d_model * s)
-            ahead = blocks[-1]
-            ahead.add("lamemo", 3 * b * m * h * 4 + b * m * h * dh * s
-                      + (b * m * h * s if s != 4 else 0))              # lse, α, C←
-            if not first_in_window:  # previous segment's C_mem and log S_mem (FIFO copies)
-                ahead.add("lamemo", b * m * h * (dh * s + 4))
-            _post_attention(ahead, dm, k)                              # W_o, LN over M+L rows
-            blocks += _ffn(dm, k, p.ff)
-        else:
-            _post_attention(blocks[-1], dm, n)
-            blocks += _ffn(dm, n, p.ff)
-        layers.append(blocks)
-    return layers
+    b, s = dm.rows, dm.s
+    blocks: list[Block] = []
+    for j, a in enumerate(x for x in layer.attention if x.graph):
+        blocks += _attention_blocks(dm, p.attn if j == 0 else 0, a.q_input, a.kv_input,
+                                    a.queries, a.keys, a.distances, b if a.mask_per_row else 1,
+                                    need_lse=a.need_lse, kv_saved=a.shares_kv)
+        if a.q_input_is_state and first_in_window and not c.pre_lnorm:
+            # q_net reads the carried state itself (contiguous since the FIFO copies it:
+            # no new tensor).
+            blocks[-2].add("qkv", -b * a.q_input * c.d_model * s)
+    last = blocks[-1]
+    if layer.saved:
+        last.add("extra", sum(t.nbytes(s) for t in layer.saved))
+    if layer.state_read and not first_in_window:   # the previous segment's state (FIFO copies)
+        last.add("extra", sum(t.nbytes(s) for t in layer.state_read))
+    _post_attention(last, dm, layer.out_rows)
+    return [*blocks, *_ffn(dm, layer.out_rows, p.ff)]
 
 
 def _embedding(dm: Dims, p: Params) -> Block:
@@ -302,48 +288,33 @@ def _head(dm: Dims, p: Params, rows_out: int, n_rows: int) -> Block:
     return blk
 
 
+def shapes(dm: Dims) -> SegmentShapes:
+    """The segment's shapes as its mechanism states them (model/shapes.py)."""
+    return core_class(dm.cfg).segment_shapes(dm.cfg, dm.rows, dm.mem_len)
+
+
 def segment_blocks(dm: Dims, p: Params, first_in_window: bool = False
                    ) -> tuple[Block, list[list[Block]], Block]:
     """(embedding, per-layer blocks, head) of one segment with a full memory."""
-    c = dm.cfg
-    n, b = c.tgt_len, dm.rows
-    if c.mechanism == "lamemo" and c.lamemo.look_ahead:
-        return _embedding(dm, p), _lamemo_layers(dm, p, first_in_window), _head(dm, p, n, b * n)
-    if c.mechanism == "rmt":
-        mt = c.rmt.num_mem_tokens
-        q = 2 * mt + n
-        kk = dm.mem_len + q
-        layers = _xl_like_layers(dm, p, q, kk, q + kk - 1, b if dm.mem_len else 1)
-        head = _head(dm, p, q, b * n)
-        if c.pre_lnorm and c.rmt.memory_norm != "none":
-            head.add("layernorm", b * q * c.d_model * dm.s + 2 * b * mt * dm.ln_stat)
-        if c.rmt.mem_loss_weight > 0:
-            aux = _head(dm, p, 0, b * mt)
-            head.add("head", aux.saved)
-            head.transient = max(head.transient, aux.transient)
-        return _embedding(dm, p), layers, head
-    k = dm.mem_len + n
-    layers = _xl_like_layers(dm, p, n, k, k, b if dm.mem_len else 1)
-    return _embedding(dm, p), layers, _head(dm, p, n, b * n)
+    c, sh = dm.cfg, shapes(dm)
+    b = dm.rows
+    layers = [_layer_blocks(dm, p, layer, first_in_window) for layer in sh.layers]
+    head = _head(dm, p, sh.output_rows, b * c.tgt_len)
+    if sh.memory_norm_rows:   # a LayerNorm over rows of the output (a view of its storage)
+        head.add("layernorm", b * sh.output_rows * c.d_model * dm.s
+                 + 2 * b * sh.memory_norm_rows * dm.ln_stat)
+    if sh.aux_targets:
+        aux = _head(dm, p, 0, b * sh.aux_targets)
+        head.add("head", aux.saved)
+        head.transient = max(head.transient, aux.transient)
+    return _embedding(dm, p), layers, head
 
 
 def positional_bytes(dm: Dims) -> float:
     """Dropped-out R read by every layer's r_net, saved once per segment (distances)."""
-    c, n, m = dm.cfg, dm.cfg.tgt_len, dm.mem_len
-    q = 2 * c.rmt.num_mem_tokens + n
-    rows = {"rmt": 2 * q + m - 1, "lamemo": 2 * m + n if c.lamemo.look_ahead else m + n}
-    return rows.get(c.mechanism, m + n) * c.d_model * dm.s
+    return shapes(dm).distances * dm.cfg.d_model * dm.s
 
 
 def state_bytes(dm: Dims) -> float:
     """One memory state as the model leaves it (module docstring, "Memory state")."""
-    c = dm.cfg
-    b, d, s, m = dm.rows, c.d_model, dm.s, dm.mem_len
-    if c.mechanism == "rmt":
-        tokens = b * c.rmt.num_mem_tokens * d * s   # the write rows, copied (model/rmt.py)
-        return tokens + (c.n_layer * b * m * d * s if m else 0)
-    if m == 0:
-        return 0.0
-    if c.mechanism == "lamemo" and c.lamemo.look_ahead:
-        return b * m * (d * s + c.n_layer * c.n_head * (c.d_head * s + 4))
-    return c.n_layer * b * m * d * s
+    return shapes(dm).state_bytes(dm.s)

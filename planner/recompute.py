@@ -1,5 +1,5 @@
 """What a checkpointed segment keeps under a selective `bptt.recompute` policy (for
-`memtrain plan`), counted from the code like memory_model.py.
+`memtrain plan`), counted from the code like activations.py.
 
 model/recompute.py keeps, per checkpointed segment and until that segment's backward, the
 outputs of the ops its policy matches, and with save-masks dropout's draws as bits:
@@ -15,10 +15,9 @@ outputs of the ops its policy matches, and with save-masks dropout's draws as bi
 - masks: one bit per element of every dropout on the CPU (aten.bernoulli_, packed 8 per
   byte). On CUDA dropout is the fused `native_dropout`, which model/recompute.py does not
   replay: it keeps nothing there (and saves no time).
-Rows as in memory_model.py: a full memory; XL Q = L, K = M + L; RMT Q = 2m + L,
-K = M + Q, D = Q + K − 1; LaMemo's causal branch (Q = L, K = M + L) and, below the top
-layer, the look-ahead (M queries, min(M, L) keys, M distances) with W_o and the FFN over
-M + L rows; its top layer's look-ahead runs without a graph but its ops are still matched.
+Rows as in activations.py: a full memory, each layer's attention calls and W_o/FFN rows as
+the mechanism states them (model/shapes.py; e.g. RMT Q = 2m + L, K = M + Q, D = Q + K − 1).
+A call that runs without a graph (LaMemo's top look-ahead) still has its ops matched.
 Validated on the CPU by benchmarks/bench_memory_plan.py (the rows with a policy).
 """
 
@@ -29,7 +28,7 @@ from dataclasses import dataclass, field
 from model.attention_kernels import sdpa_head_pad
 from model.recompute import parse_policy
 
-from .memory_model import Dims, head_cluster_rows
+from .activations import Dims, head_cluster_rows, shapes
 
 
 @dataclass
@@ -85,35 +84,24 @@ def _head(ops: SegmentOps, dm: Dims, n_rows: int) -> None:
 def segment_ops(dm: Dims) -> SegmentOps:
     """The matmul outputs and dropout draws of one training segment with a full memory."""
     c = dm.cfg
-    b, n, d, m, s = dm.rows, c.tgt_len, c.d_model, dm.mem_len, dm.s
+    b, n, d, s = dm.rows, c.tgt_len, c.d_model, dm.s
     ops = SegmentOps()
     n_clusters = len(c.cutoffs) + 1
     if c.div_val > 1:                      # adaptive input: every row, every cluster
         ops.linear += n_clusters * b * n * d * s
     ops.draws += b * n * d                 # Dropout(embedding)
-    if c.mechanism == "lamemo" and c.lamemo.look_ahead:
-        k = m + n
-        ops.draws += (2 * m + n) * d       # Dropout(R): causal and look-ahead distances
-        for i in range(c.n_layer):
-            ops.linear += b * k * 2 * c.n_head * c.d_head * s              # kv_net
-            _attention(ops, dm, n, k, k, need_lse=True)                     # causal
-            _attention(ops, dm, m, min(m, n), m, need_lse=True)             # look-ahead
-            _output_ffn(ops, dm, n if i == c.n_layer - 1 else k)
-        ops.draws += b * n * d             # final dropout
-        _head(ops, dm, b * n)
-        return ops
-    q = n + (2 * c.rmt.num_mem_tokens if c.mechanism == "rmt" else 0)
-    k = m + q
-    dist = q + k - 1 if c.mechanism == "rmt" else k
-    ops.draws += dist * d
-    for _ in range(c.n_layer):
-        ops.linear += b * k * 2 * c.n_head * c.d_head * s                  # kv_net
-        _attention(ops, dm, q, k, dist, need_lse=False)
-        _output_ffn(ops, dm, q)
-    ops.draws += b * q * d                 # final dropout
+    sh = shapes(dm)
+    ops.draws += sh.distances * d          # Dropout(R): every distance list
+    for layer in sh.layers:
+        first = layer.attention[0]
+        ops.linear += b * first.kv_input * 2 * c.n_head * c.d_head * s    # kv_net
+        for a in layer.attention:         # a call without a graph still runs its ops
+            _attention(ops, dm, a.queries, a.keys, a.distances, need_lse=a.need_lse)
+        _output_ffn(ops, dm, layer.out_rows)
+    ops.draws += b * sh.output_rows * d    # final dropout
     _head(ops, dm, b * n)
-    if c.mechanism == "rmt" and c.rmt.mem_loss_weight > 0:
-        _head(ops, dm, b * c.rmt.num_mem_tokens)
+    if sh.aux_targets:
+        _head(ops, dm, b * sh.aux_targets)
     return ops
 
 

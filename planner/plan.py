@@ -2,7 +2,7 @@
 
     memtrain plan --config wt103-xl-base --gpu a100-80gb --nodes 4 --gpus-per-node 8 \\
         deepspeed.precision=bf16 data.global_batch=64
-    python -m train.memory_plan ...                     (the same command)
+    python -m planner ...                               (the same command)
 
 Per GPU (one rank per GPU, as `memtrain submit` lays them out):
 - model states under the run's ZeRO stage (Rajbhandari et al. 2020, §5): fp16/bf16 training
@@ -13,9 +13,9 @@ Per GPU (one rank per GPU, as `memtrain submit` lays them out):
   state over the N_d data-parallel ranks, stage 2 also the gradients, stage 3 the parameters;
 - DeepSpeed's reduce bucket (and at stage 3 its prefetch bucket and one gathered tensor);
 - the memory state carried between windows and the peak of one BPTT window, from
-  train/memory_model.py (what each block of a segment saves, formulas derived from model/)
-  and train/memory_window.py (the window's peak), validated on the CPU by
-  benchmarks/bench_memory_plan.py;
+  planner/activations.py (what each block of a segment saves, from the shapes each mechanism
+  states in model/, model/shapes.py) and planner/window.py (the window's peak), validated on
+  the CPU by benchmarks/bench_memory_plan.py;
 - a fixed safety margin for the CUDA context, NCCL and allocator fragmentation.
 The largest BPTT depth k and the largest mem_len that fit are searched with that model.
 Exit code 0 if the run fits, 1 if it does not (the message names what does), 2 for a bad
@@ -31,12 +31,12 @@ import sys
 from data_pipeline.shards import ShardError, load_manifest
 from memtrain.cli import CommandParser
 from model import ConfigError
+from train.config import RunConfig, load_config
+from train.engine import build_ds_config, zero_stage
 
-from .config import RunConfig, load_config
-from .engine import build_ds_config, zero_stage
-from .memory_model import Dims, Params, count_params, state_bytes
-from .memory_recompute import kept_bytes
-from .memory_window import window_memory
+from .activations import Dims, Params, count_params, shapes, state_bytes
+from .recompute import kept_bytes
+from .window import window_memory
 
 GIB = 2 ** 30
 # Memory per GPU as nvidia-smi reports it, MiB.
@@ -48,7 +48,7 @@ CATEGORIES = {"scores": "attention scores, probabilities, masks [B,H,Q,K]",
               "ffn": "FFN hidden [B,Q,d_inner] and its masks",
               "layernorm": "LayerNorm inputs and statistics",
               "dropout": "dropout masks (embeddings, sub-layer outputs)",
-              "lamemo": "LaMemo look-ahead log-normalisers, alpha, contexts",
+              # "extra": what the mechanism's layers also save (its `saved_label`)
               "head": "softmax head: log-probabilities, weight copy, targets"}
 SEARCH_CAP = 1 << 20     # depth and mem_len searches stop here
 
@@ -153,6 +153,20 @@ def largest(fits, lo: int) -> int | None:
     return lo
 
 
+def task_episodes(cfg: RunConfig, notes: list[str]) -> tuple[int, int] | None:
+    """The data regime, decided here once: (positions, segments) of a task sample when the
+    manifest holds episodes (a window is then the whole sample, the memory starts fresh),
+    None for a token stream (also when there is no manifest to read, with a note)."""
+    try:
+        m = load_manifest(cfg.data.path)
+        if m.kind == "episodes":
+            return m.chunk_tokens - 1, int(m.extra["n_segments"])
+    except (ShardError, OSError, KeyError, ValueError):
+        notes.append(f"no manifest at {cfg.data.path}: planned as a token stream (for task "
+                     "data a window is the whole sample)")
+    return None
+
+
 def setup_for(cfg: RunConfig, gpu_mib: float, nodes: int, per_node: int,
               margin_gib: float) -> Setup:
     world = nodes * per_node
@@ -169,14 +183,7 @@ def setup_for(cfg: RunConfig, gpu_mib: float, nodes: int, per_node: int,
                                            grad_fp32=cfg.deepspeed.grad_dtype == "fp32")]
     extra = ", prefetch, gathered tensor" if stage == 3 else ""
     static.append((f"ZeRO-{stage} buffers (reduce bucket{extra})", zero_buffers(ds, prec, params)))
-    episodes = None
-    try:
-        m = load_manifest(cfg.data.path)
-        if m.kind == "episodes":
-            episodes = (m.chunk_tokens - 1, int(m.extra["n_segments"]))
-    except (ShardError, OSError, KeyError, ValueError):
-        notes.append(f"no manifest at {cfg.data.path}: planned as a token stream (for task "
-                     "data a window is the whole sample)")
+    episodes = task_episodes(cfg, notes)
     if prec == "fp32":
         notes.append("deepspeed.precision is fp32: bf16 (A100/H100) or fp16 (V100) halves "
                      "activations and model states")
@@ -193,7 +200,7 @@ def setup_for(cfg: RunConfig, gpu_mib: float, nodes: int, per_node: int,
 
 
 def recompute_notes(cfg: RunConfig) -> list[str]:
-    """What a selective recompute policy keeps on a GPU (train/memory_recompute.py)."""
+    """What a selective recompute policy keeps on a GPU (planner/recompute.py)."""
     b, notes = cfg.bptt, []
     if b.checkpoint_segments and b.recompute != "full":
         notes.append(f"bptt.recompute {b.recompute}: each checkpointed segment also keeps "
@@ -205,20 +212,10 @@ def recompute_notes(cfg: RunConfig) -> list[str]:
 
 
 def state_shape(setup: Setup, mem: int) -> str:
-    """What the carried memory holds, as shapes (train/memory_model.py `state_bytes`)."""
-    m, b = setup.cfg.model, setup.rows
+    """What the carried memory holds, as shapes (the mechanism's `segment_shapes`)."""
     if setup.episodes:
         return "none (task samples start fresh)"
-    cache = f"[{b}, {mem}, {m.d_model}]"
-    if m.mechanism == "rmt":
-        text = f"RMT memory [{b}, {m.rmt.num_mem_tokens}, {m.d_model}]"
-        return text + (f", XL cache {m.n_layer} x {cache}" if mem else "")
-    if mem == 0:
-        return "none (mem_len 0)"
-    if m.mechanism == "lamemo" and m.lamemo.look_ahead:
-        return (f"LaMemo embeddings {cache}, {m.n_layer} x contexts [{b}, {mem}, {m.n_head}, "
-                f"{m.d_head}] + fp32 log-normalisers [{b}, {mem}, {m.n_head}]")
-    return f"XL cache {m.n_layer} x {cache}"
+    return shapes(Dims(setup.cfg.model, setup.rows, mem)).state_text
 
 
 def _shown(n: int | None) -> str:
@@ -249,8 +246,9 @@ def report(setup: Setup, gpu: str, nodes: int, per_node: int) -> tuple[str, bool
     lines.append(f"      {state_shape(setup, mem)}")
     lines.append(f"  {'activations of one window (peak, configured checkpointing)':<70}"
                  f"{_gib(w.peak)}")
+    saved_label = shapes(Dims(m, setup.rows, mem)).saved_label
     for cat, v in sorted(w.per_segment.items(), key=lambda kv: -kv[1]):
-        lines.append(f"      {'one segment: ' + CATEGORIES[cat]:<66}{_gib(v)}")
+        lines.append(f"      {'one segment: ' + CATEGORIES.get(cat, saved_label):<66}{_gib(v)}")
     lines.append(f"      {'softmax head backward (log-prob and [V, d] weight gradients)':<66}"
                  f"{_gib(w.head_transient)}")
     if seg and b.recompute != "full":
@@ -277,12 +275,14 @@ def report(setup: Setup, gpu: str, nodes: int, per_node: int) -> tuple[str, bool
                         0)
         lines.append(f"  largest bptt.depth that fits, checkpoint_segments {str(s_).lower()}: "
                      f"{_shown(fit_k)}")
-    lo = 1 if m.mechanism == "lamemo" or m.same_length else 0   # (mem_len 0 is invalid)
+    try:
+        m.check_lengths(0, m.clamp_len, m.same_length)
+        lo = 0
+    except ConfigError:   # this config's mem_len must be > 0
+        lo = 1
     fit_m = largest(lambda x: total_bytes(setup, k, x, seg, lay) <= setup.gpu_bytes, lo)
-    if m.mechanism == "rmt" and mem == 0:
-        label = "largest model.mem_len (an XL cache beside the memory tokens)"
-    else:
-        label = "largest model.mem_len"
+    adds = shapes(Dims(m, setup.rows, mem)).mem_len_adds
+    label = f"largest model.mem_len ({adds})" if adds else "largest model.mem_len"
     lines.append(f"  {label} that fits at bptt.depth {k}: {_shown(fit_m)}")
     return "\n".join(lines), fits
 

@@ -1,0 +1,94 @@
+"""The shapes of one training segment, as each mechanism states them for a memory count.
+
+Every mechanism class (model/transformer_xl.py, model/lamemo.py, model/rmt.py) has a
+classmethod `segment_shapes(cfg, rows, mem_len) -> SegmentShapes`: one segment of `rows`
+batch rows with a full memory of `mem_len` entries, told as the rows and columns of its
+attention calls, the rows through each layer's W_o and FFN, what else a layer saves for
+backward, and the state it carries to the next segment. The GPU-memory planner (planner/)
+turns these into bytes and never asks which mechanism it plans; `model.lm.core_class` is
+the registry that picks the class for `ModelConfig.mechanism`.
+
+Row counts of attention calls and layers are per batch row (the planner multiplies by the
+batch); `TensorShape.shape` is a whole tensor, batch included. For Transformer-XL (§3.3):
+one call per layer with Q = L queries, K = M + L keys and D = M + L distances.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One `relative_attention` call (model/attention.py) of a layer."""
+
+    queries: int                # Q: query rows
+    keys: int                   # K: key columns
+    distances: int              # D: relative distances its positional term covers
+    q_input: int                # rows of q_net's input
+    kv_input: int               # rows of kv_net's input ([memory ∘ input]); equal to
+    #                             q_input: the same tensor as q_net's (no memory)
+    mask_per_row: bool          # the bool mask is [B, Q, K] (per-row memory validity), not
+    #                             [1, Q, K]
+    need_lse: bool = False      # its caller reads the log-sum-exp (LaMemo's interpolation)
+    shares_kv: bool = False     # K and V are views of the previous call's kv_net output
+    graph: bool = True          # runs with autograd recording (LaMemo's top look-ahead not)
+    q_input_is_state: bool = False  # in a window's first segment q_net reads the carried
+    #                             state itself (no new tensor; post-LN)
+
+
+@dataclass(frozen=True)
+class TensorShape:
+    """A tensor (or `count` of them, e.g. one per layer), batch dim included. dtype:
+    "model" (the model's dtype), "fp32", or "cast": a model-dtype copy of an fp32 tensor,
+    which does not exist when the model runs in fp32."""
+
+    shape: tuple[int, ...]
+    dtype: str = "model"
+    count: int = 1
+
+    def nbytes(self, model_bytes: int) -> int:
+        per = {"model": model_bytes, "fp32": 4, "cast": model_bytes if model_bytes != 4 else 0}
+        return self.count * math.prod(self.shape) * per[self.dtype]
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One decoder layer: its attention calls in forward order (the first one's kv_net and
+    parameters are the layer's), then W_o, dropout, LayerNorm and the FFN over out_rows."""
+
+    attention: tuple[AttentionShape, ...]
+    out_rows: int
+    input_rows: int             # rows of the layer's input (what per-layer checkpointing keeps)
+    input_saved: bool           # the first projection saves that input itself (q_net)
+    saved: tuple[TensorShape, ...] = ()       # other tensors its forward saves
+    state_read: tuple[TensorShape, ...] = ()  # carried-state tensors its backward reads (made
+    #                                           inside the window from the second segment on)
+
+
+@dataclass(frozen=True)
+class SegmentShapes:
+    layers: tuple[LayerShape, ...]
+    distances: int              # rows of Dropout(R), every distance list of the segment
+    output_rows: int            # rows of the stack's output (its final dropout)
+    state: tuple[TensorShape, ...]   # the state carried to the next segment
+    state_text: str             # the same, in words and shapes
+    state_aliases_inputs: bool = False  # the new state IS the segment's layer inputs (no copy)
+    memory_norm_rows: int = 0   # rows of a LayerNorm over a view of the output (RMT's memory
+    #                             LayerNorm over the write rows); 0: none
+    aux_targets: int = 0        # per-row targets of an auxiliary softmax loss
+    saved_label: str = ""       # what the layers' `saved` tensors are, for a breakdown
+    mem_len_adds: str | None = None   # what a mem_len > 0 would add beside the state
+
+    def state_bytes(self, model_bytes: int) -> int:
+        return sum(t.nbytes(model_bytes) for t in self.state)
+
+
+def xl_cache(cfg, rows: int, mem_len: int) -> tuple[tuple[TensorShape, ...], str]:
+    """An XL cache (model/memory.py `XLMemory`): per layer its last mem_len inputs."""
+    if mem_len == 0:
+        return (), ""
+    shape = (rows, mem_len, cfg.d_model)
+    return ((TensorShape(shape, count=cfg.n_layer),),
+            f"XL cache {cfg.n_layer} x [{', '.join(map(str, shape))}]")
