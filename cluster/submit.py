@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from memtrain.command_line import error_line
 from train.config import ConfigError, load_config, resolve_path
 from train.run_dir import RunDir, atomic_write_json, atomic_write_text, sqlite_uri
 
@@ -153,9 +154,8 @@ def main_submit(argv: list[str] | None = None) -> int:
         sweep = _sweep(args, cfg.name, run_dir, opts)
         script = render(config_path, [*args.overrides, *absolute_paths(cfg)], run_dir, opts,
                         sweep)
-    except ConfigError as err:
-        print(f"memtrain submit: {err}", file=sys.stderr)
-        return 2
+    except ConfigError as err:  # a config field or an option, named in the message
+        return error_line("memtrain submit", err)
     if args.dry_run:
         print(script, end="")
         return 0

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from memtrain.cli import CommandParser, error_line
+from memtrain.command_line import CommandParser, error_line
 
 from .shard_writer import write_episode_split, write_manifest
 from .shard_writer import write_token_split as _write_tokens

@@ -24,6 +24,7 @@ import torch
 
 from data_pipeline.shards import load_manifest
 from data_pipeline.vocabs import vocab_from_dict
+from memtrain.command_line import error_line
 from model import ConfigError, load_model, stream_generate
 from train.checkpoint import MARKER
 from train.export import load_weights
@@ -130,8 +131,7 @@ def main_generate(argv: list[str] | None = None) -> int:
         if args.mem_len >= 0:
             model.set_lengths(mem_len=args.mem_len)
     except (ConfigError, FileNotFoundError, ValueError) as err:
-        print(f"memtrain generate: {err}", file=sys.stderr)
-        return 2
+        return error_line("memtrain generate", err, code=2)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device).eval()
     gen = torch.Generator(device=device).manual_seed(args.seed)

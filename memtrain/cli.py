@@ -2,9 +2,9 @@
 and cluster/.
 
 Each subcommand lives in the package that owns it and is imported only when chosen, so
-`memtrain smoke` never pays for DeepSpeed or MLflow imports. The subcommands import from here
-only the command-line conventions they share (`CommandParser`, `error_line`), which import
-nothing heavy.
+`memtrain smoke` never pays for DeepSpeed or MLflow imports. The command-line conventions
+the subcommands share (`CommandParser`, `error_line`, `invalid_config`) live in
+memtrain/command_line.py, which they import instead of this dispatcher.
 
 A failing command prints one line on stderr, `memtrain <command>: <problem>`, and exits
 non-zero (2 for a usage or configuration error): never a usage block, never a traceback.
@@ -12,32 +12,11 @@ non-zero (2 for a usage or configuration error): never a usage block, never a tr
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
-
-class CommandParser(argparse.ArgumentParser):
-    """argparse whose usage errors are one line naming the problem, exit code 2 (argparse's
-    own print the whole usage block first, and the problem on a second line)."""
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
-
-
-# Errors that mean the command's inputs are wrong (exit 2); any other OSError is a failure
-# while working, e.g. a download or a full disk (exit 1).
-INPUT_ERRORS = (ValueError, FileNotFoundError, PermissionError, IsADirectoryError,
-                NotADirectoryError, FileExistsError)
-
-
-def error_line(prog: str, err: BaseException) -> int:
-    """Print `prog: <err>` as one line on stderr; the exit code for it (2 or 1)."""
-    text = str(err)
-    if isinstance(err, OSError) and err.filename is not None and err.strerror:
-        text = f"{err.filename}: {err.strerror}"  # not "[Errno 13] Permission denied: '/x'"
-    print(f"{prog}: {' '.join(text.split()) or type(err).__name__}", file=sys.stderr)
-    return 2 if isinstance(err, INPUT_ERRORS) else 1
+# Kept for one release: subcommands that still import these from the dispatcher.
+from .command_line import INPUT_ERRORS, CommandParser, error_line  # noqa: F401
 
 # name -> (module, function `f(argv) -> int`, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {

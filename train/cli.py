@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from memtrain.cli import CommandParser, error_line
+from memtrain.command_line import CommandParser, error_line, invalid_config
 from model import ConfigError
 
 from .config import dump_yaml, load_config
@@ -54,8 +54,7 @@ def main_train(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
-        print(f"memtrain train: invalid config: {err}", file=sys.stderr)
-        return 2
+        return invalid_config("memtrain train", err)
     if args.print_config:
         print(dump_yaml(cfg), end="")
         return 0
@@ -74,8 +73,7 @@ def main_export(argv: list[str] | None = None) -> int:
     try:
         cfg = load_run_config(args.run_dir, [])
     except ConfigError as err:
-        print(f"memtrain export: {err}", file=sys.stderr)
-        return 2
+        return invalid_config("memtrain export", err)
     info = pick_checkpoint(cfg, args.checkpoint)  # None: the latest complete checkpoint
     if info is None:
         print(f"memtrain export: no complete checkpoint in {args.run_dir}", file=sys.stderr)
