@@ -96,9 +96,12 @@ class SplitInfo:
     raw_bytes: int = 0
 
 
+TOKENS, EPISODES = "tokens", "episodes"   # Manifest.kind
+
+
 @dataclass
 class Manifest:
-    kind: str                       # "tokens" | "episodes"
+    kind: str                       # TOKENS | EPISODES
     source: str                     # corpus or task name
     vocab: dict                     # Vocab.to_dict() (tokens) or task vocabulary description
     vocab_fingerprint: str
@@ -108,6 +111,13 @@ class Manifest:
     splits: dict[str, SplitInfo]
     extra: dict = field(default_factory=dict)   # e.g. the task spec
     location: str = ""              # folder or URL prefix the manifest was read from
+
+    @property
+    def episodic(self) -> bool:
+        """Whether the data are episodes (one sample of the RMT paper's algorithmic tasks
+        per row, read with fresh memory) rather than one long token stream: the one place
+        that decides the data regime for training, curriculum and evaluation."""
+        return self.kind == EPISODES
 
     def to_json(self) -> str:
         d = {"format": FORMAT, "kind": self.kind, "source": self.source, "vocab": self.vocab,

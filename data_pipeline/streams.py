@@ -104,7 +104,7 @@ class TokenStream:
     def __init__(self, manifest: Manifest, split: str, global_batch: int, seg_len: int,
                  rank: int = 0, world_size: int = 1, *, prefetch: int = 8,
                  expected_vocab: str | None = None, url_template: str | None = None):
-        if manifest.kind != "tokens":
+        if manifest.episodic:
             raise LayoutError(f"{manifest.location} holds {manifest.kind}, not a token corpus")
         manifest.check_vocab(expected_vocab)
         self.manifest, self.split, self.url_template = manifest, split, url_template
@@ -224,7 +224,7 @@ class EpisodeStream:
     def __init__(self, manifest: Manifest, split: str, global_batch: int, rank: int = 0,
                  world_size: int = 1, *, seed: int = 0, shuffle: bool = True,
                  url_template: str | None = None, n_segments: int | None = None):
-        if manifest.kind != "episodes":
+        if not manifest.episodic:
             raise LayoutError(f"{manifest.location} holds {manifest.kind}, not task episodes")
         self.rows = rows_of_rank(global_batch, rank, world_size)
         self.global_batch, self.seed, self.shuffle = global_batch, seed, shuffle

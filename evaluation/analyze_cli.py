@@ -21,6 +21,7 @@ import torch
 
 from data_pipeline.shards import ShardError, load_manifest
 from data_pipeline.streams import EpisodeStream, TokenStream
+from memtrain.command_line import invalid_config
 from model import ConfigError
 from train.config import RunConfig, load_config
 from train.evaluate import protocol_for
@@ -35,7 +36,7 @@ PROG = "memtrain analyze"
 
 def _segment_source(manifest, split: str, rows: int, tgt_len: int, url_template: str):
     """(stream, warm-up segments per row or episode, counted segments available, episodic)."""
-    if manifest.kind == "episodes":
+    if manifest.episodic:
         stream = EpisodeStream(manifest, split, rows, shuffle=False,
                                url_template=url_template or None)
         return stream, stream.n_segments, stream.episodes_per_epoch, True
@@ -143,8 +144,7 @@ def main_analyze(argv: list[str] | None = None) -> int:
         else:
             cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
-        print(f"{PROG}: invalid config: {err}", file=sys.stderr)
-        return 2
+        return invalid_config(PROG, err)
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     try:

@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 
 from data_pipeline.shards import load_manifest
-from memtrain.cli import CommandParser
+from memtrain.command_line import CommandParser, error_line, invalid_config
 from model import ConfigError
 from train.config import RunConfig
 from train.distributed import device_for, resolve_env
@@ -52,12 +52,11 @@ def main_eval(argv: list[str] | None = None) -> int:
     try:
         cfg = load_run_config(args.run_dir, args.overrides)
     except ConfigError as err:
-        print(f"memtrain eval: invalid config: {err}", file=sys.stderr)
-        return 2
+        return invalid_config("memtrain eval", err)
     try:
         points = None
         if args.sweep:
-            points = sweep_grid(args.tgt_lens or [cfg.eval.tgt_len or cfg.model.tgt_len],
+            points = sweep_grid(args.tgt_lens or [cfg.eval.lengths(cfg.model).tgt_len],
                                 args.mem_lens, args.multiples)
         elif args.multiples or args.mem_lens or args.tgt_lens:
             print("memtrain eval: --multiples/--mem-lens/--tgt-lens need --sweep",
@@ -65,8 +64,7 @@ def main_eval(argv: list[str] | None = None) -> int:
             return 2
         report = run_eval(cfg, args.checkpoint, track=not args.no_track, sweep_points=points)
     except (FileNotFoundError, ValueError) as err:  # no such checkpoint; weights vs config
-        print(f"memtrain eval: {err}", file=sys.stderr)
-        return 1
+        return error_line("memtrain eval", err, code=1)
     return 0 if report else 1
 
 

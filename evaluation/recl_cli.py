@@ -11,7 +11,6 @@ MLflow run the metrics recl_r<r> plus those files as artifacts under recl/.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 from data_pipeline.shards import load_manifest
 from data_pipeline.streams import TokenStream
 from data_pipeline.vocab import fingerprint
+from memtrain.command_line import error_line
 from model import ConfigError
 from train.export import load_weights
 from train.run_access import load_run_config, log_to_run, pick_checkpoint
@@ -67,8 +67,7 @@ def main_recl(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except (ConfigError, ValueError, FileNotFoundError) as err:
-        print(f"memtrain recl: {err}", file=sys.stderr)
-        return 2 if isinstance(err, ConfigError) else 1
+        return error_line("memtrain recl", err, code=2 if isinstance(err, ConfigError) else 1)
 
 
 def _run(args) -> int:
@@ -87,9 +86,9 @@ def _run(args) -> int:
             raise ValueError(f"{cfg.resolved_run_dir} was trained on other data ("
                              f"{m.location}) than {first_cfg.resolved_run_dir} ("
                              f"{manifest.location}): RECL compares models on the same tokens")
-    if manifest.kind == "episodes":
+    if manifest.episodic:
         raise ValueError("RECL needs a token stream; these runs train on episodic tasks")
-    tgt_len = args.tgt_len or first_cfg.eval.tgt_len or first_cfg.model.tgt_len
+    tgt_len = args.tgt_len or first_cfg.eval.lengths(first_cfg.model).tgt_len
     step = args.step or tgt_len
     start = step if args.start < 0 else args.start
     contexts = R.context_grid(start, step, args.max_context or 10 * step)

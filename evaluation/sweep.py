@@ -82,7 +82,7 @@ def point_notes(proto: EvalProtocol, skip: int) -> list[str]:
 def run_sweep(cfg: RunConfig, model, manifest, points: list[tuple[int, int]],
               device: torch.device, rank: int = 0, world_size: int = 1) -> dict:
     """Score every point; returns {"points": [...], "skip_tokens", "end_tokens", ...}."""
-    if manifest.kind == "episodes":
+    if manifest.episodic:
         raise ValueError("a memory-length sweep needs a token stream; this run trains on "
                          "episodic task samples (score it with `memtrain eval`)")
     base = protocol_for(cfg)

@@ -9,7 +9,7 @@ import torch
 
 from data_pipeline.shard_writer import write_episode_split, write_manifest
 from data_pipeline.shards import Manifest, ShardError, load_manifest
-from data_pipeline.streams import EpisodeStream, LayoutError
+from data_pipeline.streams import EpisodeStream, LayoutError, TokenStream
 
 N, T, N_SEG = 24, 12, 3  # 24 samples of 12 positions, 3 segments of 4
 
@@ -94,3 +94,16 @@ def test_an_episode_shard_cut_at_a_tar_member_boundary_is_refused_naming_it(tmp_
         path.write_bytes(whole[:cut])
         with pytest.raises(ShardError, match=r"train-000001\.tar.*truncated"):
             EpisodeStream(m, "train", 4)
+
+
+def test_the_manifest_says_once_which_data_regime_it_holds(tmp_path):
+    """Manifest.episodic decides episodes vs token stream for training, curriculum and
+    evaluation; each stream refuses the other regime's manifest."""
+    m = make_episodes(tmp_path)
+    assert m.episodic
+    with pytest.raises(LayoutError, match="holds episodes, not a token corpus"):
+        TokenStream(m, "train", 4, T // N_SEG)
+    tokens = Manifest("tokens", "test", {"kind": "bytes"}, "t" * 64, 256, "uint8", 65, {})
+    assert not tokens.episodic
+    with pytest.raises(LayoutError, match="holds tokens, not task episodes"):
+        EpisodeStream(tokens, "train", 4)

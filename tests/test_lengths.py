@@ -42,3 +42,29 @@ def test_rmt_keeps_an_xl_cache_exactly_when_the_run_time_lengths_ask_for_one():
             state = model(x).state
             assert state.cache is not None and int(state.cache.length[0]) == 6
             assert model(x, state).state.cache.mem_len_now == 6
+
+
+def test_evaluation_lengths_left_unset_are_the_trained_ones():
+    """One sentinel, null: eval.* lengths not given resolve to the model's."""
+    cfg = load_config("quickstart", ["model.mem_len=24", "model.clamp_len=30"])
+    assert (cfg.eval.tgt_len, cfg.eval.mem_len, cfg.eval.clamp_len, cfg.eval.same_length) \
+        == (None, None, None, None)
+    m = cfg.model
+    assert cfg.eval.lengths(m) == (m.tgt_len, 24, 30, m.same_length)
+    proto = protocol_for(cfg)
+    assert (proto.tgt_len, proto.mem_len, proto.clamp_len, proto.same_length) == \
+        tuple(cfg.eval.lengths(m))
+    given = load_config("quickstart", ["eval.tgt_len=5", "eval.mem_len=0",
+                                       "eval.clamp_len=-1", "eval.same_length=false"])
+    assert tuple(given.eval.lengths(given.model)) == (5, 0, -1, False)
+
+
+def test_the_old_as_trained_values_still_read_as_unset():
+    """Run directories written before kept tgt_len 0 and mem_len -1 for "as trained"."""
+    cfg = load_config("quickstart", ["eval.tgt_len=0", "eval.mem_len=-1"])
+    assert (cfg.eval.tgt_len, cfg.eval.mem_len) == (None, None)
+    assert cfg.eval.lengths(cfg.model)[:2] == (cfg.model.tgt_len, cfg.model.mem_len)
+    with pytest.raises(ConfigError, match="eval.mem_len: must be >= 0"):
+        load_config("quickstart", ["eval.mem_len=-2"])
+    with pytest.raises(ConfigError, match="eval.tgt_len: must be > 0"):
+        load_config("quickstart", ["eval.tgt_len=-3"])

@@ -214,7 +214,7 @@ class Window:
 class WindowPlan:
     """How the stream is cut into BPTT windows, decided once from `bptt.*` and the data.
 
-        plan = WindowPlan(cfg.bptt, episodic=manifest.kind == "episodes")
+        plan = WindowPlan(cfg.bptt, episodic=manifest.episodic)
         window = plan.next_window(batches, memory)     # before the step
         memory = plan.after_step(window, result)       # the memory to carry on
     """

@@ -14,7 +14,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import yaml
 
@@ -126,14 +126,23 @@ class OptimConfig:
     max_nonfinite_steps: int = 10
 
 
+class EvalLengths(NamedTuple):
+    tgt_len: int
+    mem_len: int
+    clamp_len: int
+    same_length: bool
+
+
 @dataclass
 class EvalConfig:
     every: int = 0               # validate every N optimizer steps (0 = only at the end)
     split: str = "valid"         # split of the final evaluation (valid or test)
     # The papers evaluate with other lengths than they train with (XL §3.3, §4.5).
-    # 0 / -1 / None mean "as in training".
-    tgt_len: int = 0
-    mem_len: int = -1
+    # None (null, the default) means "as in training"; `lengths()` resolves them. Configs and
+    # run directories written before kept 0 (tgt_len) and -1 (mem_len) for it: still read
+    # as None, in __post_init__ only (mem_len 0 is a length: no memory).
+    tgt_len: int | None = None
+    mem_len: int | None = None
     clamp_len: int | None = None
     same_length: bool | None = None
     batch: int = 0               # eval rows over all ranks (0 = data.global_batch)
@@ -144,6 +153,20 @@ class EvalConfig:
     # Also evaluate the trained model with its memory switched off (mem_len 0), to show how
     # much of its score the memory carries.
     no_memory_baseline: bool = False
+
+    def __post_init__(self):
+        if self.tgt_len == 0:
+            self.tgt_len = None
+        if self.mem_len == -1:
+            self.mem_len = None
+
+    def lengths(self, model: ModelConfig) -> EvalLengths:
+        """The lengths evaluation runs with: each field set here, else the model's."""
+        def pick(mine, trained):
+            return trained if mine is None else mine
+        return EvalLengths(pick(self.tgt_len, model.tgt_len), pick(self.mem_len, model.mem_len),
+                           pick(self.clamp_len, model.clamp_len),
+                           pick(self.same_length, model.same_length))
 
 
 @dataclass
@@ -299,8 +322,10 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(e.split in (d.valid_split, d.test_split, d.train_split), "eval.split",
            f"{e.split!r} is none of the data splits ({d.train_split}, {d.valid_split}, "
            f"{d.test_split})")
-    _check(e.tgt_len >= 0, "eval.tgt_len", f"must be >= 0, got {e.tgt_len}")
-    _check(e.mem_len >= -1, "eval.mem_len", f"must be >= 0 (or -1: as trained), got {e.mem_len}")
+    _check(e.tgt_len is None or e.tgt_len > 0, "eval.tgt_len",
+           f"must be > 0 (or null: as trained), got {e.tgt_len}")
+    _check(e.mem_len is None or e.mem_len >= 0, "eval.mem_len",
+           f"must be >= 0 (or null: as trained), got {e.mem_len}")
     _check(e.batch >= 0, "eval.batch", f"must be >= 0, got {e.batch}")
     _check(e.max_segments >= 0, "eval.max_segments", "must be >= 0")
     _check(e.skip_segments >= 0, "eval.skip_segments", "must be >= 0")
@@ -308,10 +333,8 @@ def validate(cfg: RunConfig) -> RunConfig:
            f"skipping {e.skip_segments} of {e.max_segments} segments leaves nothing to score")
     # Evaluation lengths go through the model's own length check (e.g. same_length needs
     # mem_len > 0; RMT has no same_length), the one every protocol passes.
-    m = cfg.model
-    cfg.model.check_lengths(m.mem_len if e.mem_len < 0 else e.mem_len,
-                            m.clamp_len if e.clamp_len is None else e.clamp_len,
-                            m.same_length if e.same_length is None else e.same_length, "eval")
+    lengths = e.lengths(cfg.model)
+    cfg.model.check_lengths(lengths.mem_len, lengths.clamp_len, lengths.same_length, "eval")
 
     s = cfg.deepspeed
     _check(s.precision in PRECISIONS, "deepspeed.precision", f"unknown {s.precision!r}; "

@@ -18,7 +18,7 @@ from .config import CurriculumConfig
 class SegmentCurriculum:
     def __init__(self, cfg: CurriculumConfig, stream, manifest, data_path: str):
         self.cfg, self.stream = cfg, stream
-        self.episodic = manifest.kind == "episodes"
+        self.episodic = manifest.episodic
         self.stages = list(cfg.segments)
         if not self.stages:
             return

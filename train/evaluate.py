@@ -60,10 +60,7 @@ def protocol_for(cfg: RunConfig, ev: EvalConfig | None = None, split: str | None
     ev = ev or cfg.eval
     m = cfg.model
     proto = EvalProtocol(
-        split=split or ev.split, tgt_len=ev.tgt_len or m.tgt_len,
-        mem_len=m.mem_len if ev.mem_len < 0 else ev.mem_len,
-        clamp_len=m.clamp_len if ev.clamp_len is None else ev.clamp_len,
-        same_length=m.same_length if ev.same_length is None else ev.same_length,
+        split=split or ev.split, **ev.lengths(m)._asdict(),
         batch=ev.batch or cfg.data.global_batch, skip_segments=ev.skip_segments,
         max_segments=ev.max_segments)
     for key, value in changes.items():
@@ -96,7 +93,7 @@ def evaluate(forward, model, manifest: Manifest, proto: EvalProtocol, rank: int,
     start = time.perf_counter()
     try:
         with model.using_lengths(proto.mem_len, proto.clamp_len, proto.same_length):
-            if manifest.kind == "episodes":
+            if manifest.episodic:
                 sums = _episodes(forward, manifest, proto, rank, world_size, device, seed,
                                  url_template, n_segments)
             else:
@@ -111,7 +108,7 @@ def evaluate(forward, model, manifest: Manifest, proto: EvalProtocol, rank: int,
               "metric": "bpc" if manifest.vocab.get("kind") in _CHAR_VOCABS else "ppl",
               "seconds": time.perf_counter() - start, "protocol": asdict(proto),
               "protocol_text": proto.describe()}
-    if manifest.kind == "episodes":
+    if manifest.episodic:
         report["accuracy"] = correct / max(n, 1)
         report["metric"] = "accuracy"
     return report

@@ -6,15 +6,15 @@ rank; `main_entry` turns its errors into exit codes for `memtrain train`.
 from __future__ import annotations
 
 import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from data_pipeline.shards import ShardError, load_manifest
+from data_pipeline.shards import MANIFEST, Manifest, ShardError, load_manifest
 from data_pipeline.streams import EpisodeStream, LayoutError, TokenStream, rows_of_rank
 from data_pipeline.synthetic import write_repeat_corpus
+from memtrain.command_line import error_line
 from model import ConfigError, build_model
 
 from . import checkpoint as ckpt
@@ -56,29 +56,29 @@ def check_run(cfg: RunConfig, world_size: int, device: torch.device) -> None:
     check_precision(cfg.deepspeed.precision, device)
 
 
-def open_data(cfg: RunConfig, rank: int):
+def open_data(cfg: RunConfig, rank: int) -> tuple[Manifest, WindowPlan]:
     """The manifest (generated first by rank 0 for `data.generate`), checked against the
-    model, before any engine exists."""
+    model, and the BPTT window plan for its data regime (WindowPlan refuses what cannot be
+    planned), both before any engine exists."""
     path = Path(cfg.data.path)
-    if cfg.data.generate and rank == 0 and not (path / "manifest.json").exists():
+    if cfg.data.generate and rank == 0 and not (path / MANIFEST).exists():
         write_repeat_corpus(path, n_symbols=cfg.model.vocab_size, seed=cfg.data.seed)
     barrier()
     manifest = load_manifest(cfg.data.path)
     if manifest.vocab_size > cfg.model.vocab_size:
         raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the "
                           f"data's vocabulary ({manifest.vocab_size} ids in {cfg.data.path})")
-    if manifest.kind == "episodes":
+    if manifest.episodic:
         seg = (manifest.chunk_tokens - 1) // int(manifest.extra["n_segments"])
         if seg != cfg.model.tgt_len:
             raise ConfigError("model.tgt_len", f"{cfg.model.tgt_len} differs from the task's "
                               f"segment length {seg} ({cfg.data.path})")
-    WindowPlan(cfg.bptt, manifest.kind == "episodes")  # refuses what cannot be planned
-    return manifest
+    return manifest, WindowPlan(cfg.bptt, manifest.episodic)
 
 
 def _stream(cfg: RunConfig, manifest, rank: int, world: int):
     d = cfg.data
-    if manifest.kind == "episodes":
+    if manifest.episodic:
         return EpisodeStream(manifest, d.train_split, d.global_batch, rank, world, seed=d.seed,
                              url_template=d.url_template or None)
     return TokenStream(manifest, d.train_split, d.global_batch, cfg.model.tgt_len, rank, world,
@@ -113,7 +113,7 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     barrier()
-    manifest = open_data(cfg, env.rank)
+    manifest, plan = open_data(cfg, env.rank)
     stream = _stream(cfg, manifest, env.rank, env.world_size)
     curriculum = SegmentCurriculum(cfg.curriculum, stream, manifest, cfg.data.path)
     info = ckpt.agreed_latest(ckpt_root) if resume else None   # rank 0's choice, on all
@@ -135,7 +135,7 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
         # derived from it, so it is only saved.
         print(f"memtrain: {env.world_size} rank(s) via {env.launcher}, run dir {run_dir}\n"
               f"--- resolved config ---\n{dump_yaml(cfg)}--- ds_config: saved in "
-              f"{run_dir / 'ds_config.json'}", flush=True)
+              f"{run.ds_config}", flush=True)
 
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = build_model(cfg.model)
@@ -145,7 +145,7 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
         # ranks drawing identical masks would add correlated, not independent, noise. A
         # resume restores each rank's RNG state from its checkpoint file.
         torch.manual_seed(rank_seed(cfg.seed, env.rank))
-    state = TrainState(plan=WindowPlan(cfg.bptt, manifest.kind == "episodes"))
+    state = TrainState(plan=plan)
     if info is not None:
         restore(info, engine, state, stream, env, device)  # the curriculum stage included
         if env.is_main:
@@ -164,8 +164,8 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
                             "world_size": env.world_size,
                             "zero_stage": zero_stage(ds_config)},
                       use_mlflow=cfg.tracking.enabled)
-    tracker.log_artifact(run_dir / "config.yaml", "config")
-    tracker.log_artifact(run_dir / "ds_config.json", "config")
+    tracker.log_artifact(run.config, "config")
+    tracker.log_artifact(run.ds_config, "config")
     loop = TrainingLoop(cfg, env, device, engine, schedule, stream, manifest, state, tracker,
                         ckpt_root, zero_stage(ds_config), curriculum)
     try:
@@ -188,9 +188,7 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
 def main_entry(cfg: RunConfig, resume: bool | str) -> int:
     try:
         return train(cfg, resume)
-    except (ConfigError, ShardError, LayoutError) as err:
-        print(f"memtrain train: {err}", file=sys.stderr)
-        return 2
+    except (ConfigError, ShardError, LayoutError) as err:  # the data does not fit the config
+        return error_line("memtrain train", err, code=2)
     except NonFiniteLoss as err:
-        print(f"memtrain train: {err}", file=sys.stderr)
-        return 3
+        return error_line("memtrain train", err, code=3)
