@@ -29,7 +29,7 @@ import dataclasses
 import sys
 
 from data_pipeline.shards import ShardError, load_manifest
-from memtrain.cli import CommandParser
+from memtrain.command_line import CommandParser, invalid_config
 from model import ConfigError
 from train.config import RunConfig, load_config
 from train.engine import build_ds_config, zero_stage
@@ -307,8 +307,7 @@ def main_plan(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
-        print(f"memtrain plan: invalid config: {err}", file=sys.stderr)
-        return 2
+        return invalid_config("memtrain plan", err)
     mib = GPUS[args.gpu] if args.gpu else args.gpu_memory_gb * 1024
     gpu = args.gpu or f"{args.gpu_memory_gb:g}-GiB GPU"
     setup = setup_for(cfg, mib, args.nodes, args.gpus_per_node, args.margin_gb)

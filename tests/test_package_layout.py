@@ -22,7 +22,7 @@ PACKAGES = ("memtrain", "model", "data_pipeline", "train", "planner", "evaluatio
             "cluster")
 # What planner/ reads beyond model/ and data_pipeline/: the run config, the ZeRO section of
 # the DeepSpeed config, and the command-line conventions every subcommand shares.
-PLANNER_READS = {"train.config", "train.engine", "memtrain.cli"}
+PLANNER_READS = {"train.config", "train.engine", "memtrain.command_line"}
 HEAVY = {"torch", "deepspeed"}  # what compare/ must not pull in (README: no training stack)
 
 
