@@ -154,12 +154,12 @@ def largest(fits, lo: int) -> int | None:
 
 
 def task_episodes(cfg: RunConfig, notes: list[str]) -> tuple[int, int] | None:
-    """The data regime, decided here once: (positions, segments) of a task sample when the
-    manifest holds episodes (a window is then the whole sample, the memory starts fresh),
-    None for a token stream (also when there is no manifest to read, with a note)."""
+    """The data regime, read here once from the manifest (`Manifest.episodic`): (positions,
+    segments) of a task sample for episodes (a window is then the whole sample, the memory
+    starts fresh), None for a token stream (also when there is no manifest, with a note)."""
     try:
         m = load_manifest(cfg.data.path)
-        if m.kind == "episodes":
+        if m.episodic:
             return m.chunk_tokens - 1, int(m.extra["n_segments"])
     except (ShardError, OSError, KeyError, ValueError):
         notes.append(f"no manifest at {cfg.data.path}: planned as a token stream (for task "
