@@ -68,7 +68,8 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--attn-lens", default="128,256,512,800", help="attention lengths L")
     p.add_argument("--mechanism", default="xl", choices=("xl", "lamemo"))
-    # Default size: the "small" model of bench_model / bench_bptt (the issue's config);
+    # Default size: the "small" model of bench_model / bench_bptt (BENCHMARKS.md, "Model:
+    # forward + backward per mechanism");
     # --quick uses the tiny model of configs/quickstart.yaml.
     add_model_size_args(p)
     p.add_argument("--batch", type=int, default=4, help="rows (streams) evaluated at once")

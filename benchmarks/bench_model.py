@@ -1,6 +1,6 @@
 """Forward+backward speed and peak memory of each mechanism, fused vs plain attention.
 
-    python benchmarks/bench_model.py                 # the issue's config, all variants
+    python benchmarks/bench_model.py                 # the "small" model, all variants
     python benchmarks/bench_model.py --rounds 3      # quicker, noisier
 
 Speed: every variant lives in one process and the rounds interleave them (A B C ... A B C),

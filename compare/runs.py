@@ -20,13 +20,11 @@ import math
 import os
 import re
 import tempfile
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from train.run_dir import RunDir
+from train.run_dir import RunDir, probe_server
 
 MODEL_TYPE = "memory-augmented-lm"      # tag of every training run (train/trainer.py)
 KIND_TAG = "memtrain.kind"              # "comparison" on the runs `memtrain compare` logs
@@ -46,7 +44,6 @@ EXPECTED = {"loss": "training loss", "valid_loss": "validation loss",
             "peak_mem_mb": "peak memory"}
 SEARCH_PAGE = 1000        # runs per search_runs request (MLflow's default page size)
 MAX_SEARCHED = 10_000     # stop paging there: a store that big needs a --filter anyway
-HEALTH_TIMEOUT_S = 5.0
 READERS = 8               # runs read at once from a server (each is ~8 small requests)
 
 
@@ -128,14 +125,12 @@ def _probe(uri: str) -> None:
     # user's explicit setting of these variables wins.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
-    url = uri.rstrip("/") + "/health"
     try:
-        urllib.request.urlopen(url, timeout=HEALTH_TIMEOUT_S).close()
-    except urllib.error.HTTPError:
-        return  # someone answers (an auth proxy, say): let MLflow talk to it
-    except (urllib.error.URLError, OSError) as err:
+        probe_server(uri)  # any HTTP answer (an auth proxy, say): let MLflow talk to it
+    except ConnectionError as err:
+        cause = err.__cause__
         raise SelectionError(f"no MLflow server answers at {uri} "
-                             f"({getattr(err, 'reason', err)})") from err
+                             f"({getattr(cause, 'reason', cause)})") from err
 
 
 # ---------------------------------------------------------------------------- selection

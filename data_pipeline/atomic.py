@@ -13,9 +13,11 @@ file systems is a copy, and carries the writer's pid so that two processes writi
 file (ranks, jobs) never share one. A failed write removes its temporary file and leaves the
 old file as it was.
 
-data_pipeline/, train/ and cluster/ share this one copy. It lives here because data_pipeline/
-must not import train/; it is stdlib only, so `python -m train.run_dir status` (the sbatch
-script's status read) starts without importing numpy or torch.
+data_pipeline/, model/ (model/io.py's exported weights), train/ and cluster/ share this one
+copy. It lives here because neither data_pipeline/ nor model/ may import train/ (README,
+"Layout"); it is stdlib only and imports nothing of data_pipeline/, so model/ takes on no data
+dependency by using it, and `python -m train.run_dir status` (the sbatch script's status read)
+starts without importing numpy or torch.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Fetch benchmark files with a progress bar, verify them, install them atomically.
 
-`fetch` streams a URL (http, https or file://) to `<dest>.part-<pid>`, hashes it on the way,
-compares the digest with the recorded one, then renames it onto `dest`: a crash or a bad
-checksum never leaves a file under the final name. `extract_member` does the same for one
+`fetch` streams a URL (http, https or file://) to a temporary file beside `dest`
+(data_pipeline/atomic.py's AtomicFile), hashes it on the way, compares the digest with the
+recorded one, then renames it onto `dest`: a crash or a bad checksum never leaves a file under
+the final name. `extract_member` does the same for one
 member of a zip archive.
 
 Recorded checksums (`SOURCES`) and where each value comes from:
@@ -22,7 +23,6 @@ Recorded checksums (`SOURCES`) and where each value comes from:
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import urllib.error
 import urllib.request
@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
+
+from .atomic import AtomicFile
 
 USER_AGENT = "Mozilla/5.0 (compatible; memtrain-data/0.1; +urllib)"
 _BLOCK = 1 << 20
@@ -94,10 +96,6 @@ SOURCES: dict[str, tuple[Remote, ...]] = {
 }
 
 
-def _tmp_name(dest: Path) -> Path:
-    return dest.with_name(f"{dest.name}.part-{os.getpid()}")
-
-
 def file_digests(path: str | Path) -> tuple[str, str]:
     """(sha256, md5) hex digests of a file, read in blocks."""
     sha, md5 = hashlib.sha256(), hashlib.md5()
@@ -137,30 +135,26 @@ def fetch(url: str, dest: str | Path, sha256: str | None, progress: bool = True,
                 size=size, source="existing file")
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_name(dest)
     sha, md5h = hashlib.sha256(), hashlib.md5()
     n = 0
-    try:
-        req = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
-        with urllib.request.urlopen(req, timeout=timeout) as resp, open(tmp, "wb") as out:
-            total = resp.headers.get("Content-Length")
-            with tqdm(total=int(total) if total else None, unit="B", unit_scale=True,
-                      unit_divisor=1024, desc=dest.name, disable=not progress) as bar:
-                while block := resp.read(_BLOCK):
-                    out.write(block)
-                    sha.update(block)
-                    md5h.update(block)
-                    n += len(block)
-                    bar.update(len(block))
+    req = urllib.request.Request(url, headers={"User-Agent": USER_AGENT})
+    # Renamed onto dest only when the block ends without an error (the check included).
+    with AtomicFile(dest) as out, urllib.request.urlopen(req, timeout=timeout) as resp:
+        total = resp.headers.get("Content-Length")
+        with tqdm(total=int(total) if total else None, unit="B", unit_scale=True,
+                  unit_divisor=1024, desc=dest.name, disable=not progress) as bar:
+            while block := resp.read(_BLOCK):
+                out.write(block)
+                sha.update(block)
+                md5h.update(block)
+                n += len(block)
+                bar.update(len(block))
         _verify(dest.name, sha.hexdigest(), md5h.hexdigest(), n, sha256=sha256, md5=md5,
                 size=size, source=url)
         if sha256 is None:
             known = "md5 verified" if md5 else "no published checksum is recorded"
             print(f"[download] {dest.name}: {known}; its sha256 is {sha.hexdigest()} "
                   "(computed here, not checked against a published value)")
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
     return dest
 
 
@@ -179,7 +173,7 @@ def fetch_remote(remote: Remote, directory: str | Path, progress: bool = True) -
 
 def extract_member(archive: str | Path, member: str, dest: str | Path,
                    size: int | None = None) -> Path:
-    """Extract one member of a zip archive to `dest` atomically (temporary name, then rename).
+    """Extract one member of a zip archive to `dest` atomically (AtomicFile).
     Only the named member is written, to the path the caller chose (no paths from the archive)."""
     archive, dest = Path(archive), Path(dest)
     try:
@@ -192,15 +186,10 @@ def extract_member(archive: str | Path, member: str, dest: str | Path,
         if member not in names:
             raise ValueError(f"{archive} has no member {member!r} (it holds: {names[:10]})")
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _tmp_name(dest)
-        try:
-            with zf.open(member) as src, open(tmp, "wb") as out:
-                shutil.copyfileobj(src, out, _BLOCK)  # zipfile checks the CRC at the end
-            got = tmp.stat().st_size
+        with AtomicFile(dest) as out, zf.open(member) as src:
+            shutil.copyfileobj(src, out, _BLOCK)  # zipfile checks the CRC at the end
+            got = out.tell()
             if size is not None and got != size:
                 raise ChecksumError(f"{member} extracted from {archive} has {got} bytes, "
                                     f"expected {size}")
-            os.replace(tmp, dest)
-        finally:
-            tmp.unlink(missing_ok=True)
     return dest

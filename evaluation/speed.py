@@ -158,8 +158,8 @@ def default_tgt_len(attn_len: int) -> int:
     keys, so this keeps every query within 3/4 .. 1 of the vanilla window (7/8 on average).
     A shorter segment narrows that gap but costs more per token: XL caches hidden states,
     not keys, so each segment projects keys and values for all mem_len + tgt_len rows
-    (measured here, 4 layers d 256 at L = 800: tgt_len 100 / 200 / 400 gave 2.7k / 3.5k /
-    4.9k tokens/s). XL's own eval scripts use tgt_len 64-128 with mem_len 640-3800."""
+    (tokens/s per tgt_len: BENCHMARKS.md, "Evaluation speed: cached vs vanilla"). XL's own
+    eval scripts use tgt_len 64-128 with mem_len 640-3800."""
     return max(1, attn_len // 4)
 
 

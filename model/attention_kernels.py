@@ -148,9 +148,11 @@ def choose_kernel(impl: str, device_type: str, *, need_lse: bool, record: bool,
       gradient (SDPA kernels return none, or one without a backward).
     - CUDA: "sdpa" (memory-efficient kernel with the bias, head padded to a multiple of 8).
     - CPU with gradients: "one_pass". With a float bias SDPA can only take its math path
-      here, whose backward keeps more [B, H, Q, K] tensors: one_pass measured 0.74x its time
-      per training call at the WT103 shape (benchmarks/bench_lamemo_cost.py --kernels).
-    - CPU without gradients (evaluation): "sdpa", measured 0.89x one_pass's forward time.
+      here, whose backward keeps more [B, H, Q, K] tensors: one_pass takes less time per
+      training call (benchmarks/bench_lamemo_cost.py --kernels).
+    - CPU without gradients (evaluation): "sdpa", the faster forward there.
+    Timings of both: BENCHMARKS.md, "LaMemo ÷ Transformer-XL time per token, and the
+    attention kernels".
     """
     if impl == "plain" or record:
         return "plain"

@@ -20,15 +20,17 @@ Choices, and why:
   them; `compiled_graphs()` reports them).
 - With `checkpoint_layers`, each layer call is compiled instead of the stack, inside the
   eager checkpoint. Compiled as one graph, the stack's checkpointed layers lost most of
-  their saving: the compiled backward recomputed every layer's activations at once (peak
-  of one window measured on the CPU: LaMemo 2.2x, XL 1.16x eager checkpointing; LaMemo
-  above the compiled stack without checkpointing; BENCHMARKS.md, "Memory planner"). Per
-  layer, the checkpoint recomputes one layer at a time as in eager, each call through the
-  compiled layer. The layers share their graphs (same code, parameters as inputs), so the
-  count is still one per memory length whatever n_layer; LaMemo's three kinds of layer
-  call (the bottom one, whose memory has no gradient, the middle ones, the top one) make
-  up to three per memory length. Speed: per layer call 0.94-0.95x eager on the CPU, the whole
-  stack 1.09-1.11x, bought with the memory checkpointing was asked to save.
+  their saving: the compiled backward recomputed every layer's activations at once, so a
+  window peaked above eager checkpointing (for LaMemo above the compiled stack without
+  checkpointing). Per layer, the checkpoint recomputes one layer at a time as in eager,
+  each call through the compiled layer. The layers share their graphs (same code,
+  parameters as inputs), so the count is still one per memory length whatever n_layer;
+  LaMemo's three kinds of layer call (the bottom one, whose memory has no gradient, the
+  middle ones, the top one) make up to three per memory length. The whole stack's speed-up
+  was bought with the memory checkpointing was asked to save; per layer call is a little
+  slower than eager on the CPU. The peaks and speeds measured: BENCHMARKS.md, "Memory
+  planner" (the `model.compile` rows and the checkpoint_layers table after them);
+  tests/test_compile.py holds the compiled peak to eager's.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import load_model as _load_into
 from safetensors.torch import save_model as _save_from
 
+from data_pipeline.atomic import AtomicFile
+
 from .config import ModelConfig
 from .lm import MemoryLM, build_model
 
@@ -25,9 +27,10 @@ def save_model(model: MemoryLM, path: str | Path, extra: dict | None = None) -> 
     path = Path(path)
     meta = {CONFIG_KEY: json.dumps(model.cfg.to_dict())}
     meta.update({k: str(v) for k, v in (extra or {}).items()})
-    tmp = path.with_name(f".{path.name}.tmp")
-    _save_from(model.float(), str(tmp), metadata=meta)
-    tmp.replace(path)
+    # safetensors writes by file name: into AtomicFile's temporary file, which is then
+    # fsynced and renamed onto `path` (a killed export leaves the old file or none).
+    with AtomicFile(path) as f:
+        _save_from(model.float(), f.name, metadata=meta)
     return path
 
 

@@ -21,7 +21,8 @@ from mlflow import MlflowClient
 # mlflow_server_fixture provides the `mlflow_server` fixture: pytest collects it from here.
 from mlflow_server import free_port, mlflow_server_fixture, start_mlflow_server  # noqa: F401
 
-from train.tracking import HEALTH_TIMEOUT_S, Tracker, TrackingWarning, flatten_params
+from train.run_dir import HEALTH_TIMEOUT_S
+from train.tracking import Tracker, TrackingWarning, flatten_params
 
 PARAMS = {"model": {"mem_len": 4, "cutoffs": [10, 20], "clamp_len": None},
           "optim": {"lr": 2.5e-4, "betas": [0.9, 0.999]}, "seed": 0}

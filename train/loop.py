@@ -28,6 +28,7 @@ from .evaluate import evaluate, headline, protocol_for
 from .export import export_checkpoint
 from .master_weights import fp32_master_model, scored_weights
 from .progress import Progress, peak_memory_mb
+from .run_dir import RunDir
 
 
 class NonFiniteLoss(RuntimeError):
@@ -262,7 +263,7 @@ class TrainingLoop:
                 print(f"[same model, memory switched off] {headline(base)}", flush=True)
         reports["step"] = self.state.step
         self._final_scored = None      # the fp32 model's memory back before the export
-        self.tracker.log_json(reports, "eval_report.json")
+        self.tracker.log_json(reports, RunDir.EVAL_REPORT)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> str:
@@ -315,7 +316,7 @@ class TrainingLoop:
             self.save()
         self.final_reports()
         if env.is_main:
-            out = export_checkpoint(ckpt.find_latest(self.ckpt_root), cfg.resolved_run_dir /
-                                    "model.safetensors", cfg.model)
+            out = export_checkpoint(ckpt.find_latest(self.ckpt_root),
+                                    RunDir(cfg.resolved_run_dir).exported, cfg.model)
             print(f"exported {out}", flush=True)
         return "finished"

@@ -25,14 +25,17 @@
 
 Files that readers may meet mid-write (status, tracking, configs) are written atomically
 (data_pipeline/atomic.py, re-exported here). `python -m train.run_dir status <run_dir>`
-prints the run's state for the sbatch script. Stdlib only: that command and `memtrain jobs`
-start without torch.
+prints the run's state for the sbatch script. `probe_server` is the one check that an MLflow
+tracking server answers, for training and `memtrain compare` alike. Stdlib only: that command
+and `memtrain jobs` start without torch.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +47,7 @@ from data_pipeline.atomic import (
 )
 
 __all__ = ["RunDir", "read_json", "shared_store_uri", "sqlite_uri", "artifact_location",
+           "probe_server", "HEALTH_TIMEOUT_S",
            "AtomicFile", "atomic_write_bytes", "atomic_write_json", "atomic_write_text",
            "FINISHED", "INTERRUPTED", "FAILED", "RUNNING", "STATES"]
 
@@ -54,6 +58,7 @@ FINISHED, INTERRUPTED, FAILED, RUNNING = "finished", "interrupted", "failed", "r
 STATES = (FINISHED, INTERRUPTED, FAILED, RUNNING)
 STORE = "mlflow.db"                  # an MLflow sqlite store, in a runs root or a run dir
 ARTIFACTS = "mlartifacts"            # its artifacts, beside it
+HEALTH_TIMEOUT_S = 3.0               # a live tracking server answers /health within this
 
 
 def sqlite_uri(db: str | Path) -> str:
@@ -72,6 +77,21 @@ def artifact_location(tracking_uri: str) -> str | None:
     if not tracking_uri.startswith("sqlite:///"):
         return None
     return str(Path(tracking_uri[len("sqlite:///"):]).absolute().parent / ARTIFACTS)
+
+
+def probe_server(uri: str, timeout: float = HEALTH_TIMEOUT_S) -> None:
+    """Raise ConnectionError if nothing answers at <uri>/health within `timeout` seconds: the
+    one check, before MLflow's client retries a dead server for minutes, that training
+    (train/tracking.py) and `memtrain compare` (compare/runs.py) make of a tracking server.
+    Any HTTP answer, even 401/404 (a proxy, an auth layer), means someone is there: MLflow
+    takes it from here."""
+    url = uri.rstrip("/") + "/health"
+    try:
+        urllib.request.urlopen(url, timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return
+    except (urllib.error.URLError, OSError) as err:
+        raise ConnectionError(f"no answer from {url}: {getattr(err, 'reason', err)}") from err
 
 
 def read_json(path: str | Path) -> dict:

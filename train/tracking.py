@@ -38,13 +38,11 @@ import os
 import re
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import warnings
 from pathlib import Path
 
 from .loss_curve import plot_loss_curve
-from .run_dir import RunDir, artifact_location, atomic_write_json
+from .run_dir import RunDir, artifact_location, atomic_write_json, probe_server
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +53,6 @@ MAX_PARAM_VALUE = 6000
 MAX_TAG_VALUE = 8000
 TRUNCATED = "...[truncated]"
 STATUSES = ("FINISHED", "FAILED", "KILLED")
-HEALTH_TIMEOUT_S = 3.0
 
 
 class TrackingWarning(UserWarning):
@@ -152,7 +149,7 @@ class Tracker:
             # dead server cost seconds. setdefault: a user's explicit choice wins.
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
-            _probe(uri)
+            probe_server(uri)
         from mlflow import MlflowClient  # lazily: see the module docstring
 
         client = MlflowClient(tracking_uri=uri)
@@ -397,15 +394,3 @@ def _sqlite_lock(uri: str):
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _probe(uri: str) -> None:
-    """Raise if nothing answers at <uri>/health within HEALTH_TIMEOUT_S. Any HTTP answer,
-    even 401/404 (a proxy, an auth layer), means someone is there: MLflow takes it from here."""
-    url = uri.rstrip("/") + "/health"
-    try:
-        urllib.request.urlopen(url, timeout=HEALTH_TIMEOUT_S).close()
-    except urllib.error.HTTPError:
-        return
-    except (urllib.error.URLError, OSError) as err:
-        raise ConnectionError(f"no answer from {url}: {getattr(err, 'reason', err)}") from err
