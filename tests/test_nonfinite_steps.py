@@ -17,7 +17,7 @@ from data_pipeline.streams import SegmentBatch
 from model import build_model
 from train.bptt import TrainState, WindowPlan
 from train.config import ConfigError, from_dict
-from train.loop import NonFiniteLoss, TrainingLoop
+from train.loop import LoopParts, NonFiniteLoss, TrainingLoop
 
 B, L, V = 2, 4, 16
 
@@ -62,12 +62,11 @@ def make_loop(poison=(), mode="window", depth=0, limit=10, precision="fp16"):
         "log_every": 1000, "max_steps": 1000})
     torch.manual_seed(0)
     engine = FakeEngine(build_model(cfg.model).eval(), poison)
-    loop = TrainingLoop.__new__(TrainingLoop)  # only what _micro_step reads
-    loop.cfg, loop.device, loop.engine, loop.stage = cfg, torch.device("cpu"), engine, 1
-    loop.fp16, loop.grad_norm = precision == "fp16", None
-    loop.signals = type("NoSignal", (), {"received": None})()
-    loop.state = TrainState(plan=WindowPlan(cfg.bptt, episodic=False))
-    return loop
+    # Only what _micro_step reads: no stream, tracker or checkpoints.
+    return TrainingLoop(LoopParts(
+        cfg=cfg, engine=engine, state=TrainState(plan=WindowPlan(cfg.bptt, episodic=False)),
+        device=torch.device("cpu"), stage=1,
+        signals=type("NoSignal", (), {"received": None})()))
 
 
 def batches():

@@ -32,7 +32,7 @@ from model import build_model
 from model.adaptive import AdaptiveEmbedding, AdaptiveSoftmax
 from train.bptt import TrainState, WindowPlan
 from train.config import from_dict
-from train.loop import TrainingLoop
+from train.loop import LoopParts, TrainingLoop
 
 B, L, V = 2, 6, 64
 CUTOFFS = [8, 24]          # three clusters, so the adaptive softmax routes rows
@@ -161,17 +161,17 @@ def make_loop(mechanism: str, *, steps: int, log_every: int, grad_accum: int = 1
                      "deepspeed": {"precision": precision, "grad_accum": grad_accum},
                      "log_every": log_every, "max_steps": steps})
     torch.manual_seed(0)
-    loop = TrainingLoop.__new__(TrainingLoop)
-    loop.cfg, loop.device, loop.stage = cfg, torch.device("cpu"), 0  # 0: grad norm path
-    loop.engine = FakeEngine(build_model(cfg.model), grad_accum)
-    loop.fp16, loop.grad_norm = precision == "fp16", None
-    loop.signals = type("NoSignal", (), {"received": None})()
-    loop.state = TrainState(plan=WindowPlan(cfg.bptt, episodic=False))
-    loop.env = type("Env", (), {"is_main": False, "rank": 0})()
-    loop.stream, loop.tracker, loop.curriculum = stream(), _Null(), _Null()
-    loop.curriculum.metrics = dict
-    loop.schedule = type("Schedule", (), {"get_last_lr": lambda self: [1e-3]})()
-    loop.save = loop.final_reports = lambda *a, **k: None
+    curriculum = _Null()
+    curriculum.metrics = dict
+    loop = TrainingLoop(LoopParts(
+        cfg=cfg, engine=FakeEngine(build_model(cfg.model), grad_accum),
+        state=TrainState(plan=WindowPlan(cfg.bptt, episodic=False)),
+        device=torch.device("cpu"), stage=0,  # 0: the loop computes the grad norm itself
+        env=type("Env", (), {"is_main": False, "rank": 0})(),
+        schedule=type("Schedule", (), {"get_last_lr": lambda self: [1e-3]})(),
+        stream=stream(), tracker=_Null(), curriculum=curriculum,
+        signals=type("NoSignal", (), {"received": None})()))
+    loop.save = loop.final_reports = lambda *a, **k: None  # no checkpoints, no evaluation
     return loop
 
 

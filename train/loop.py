@@ -16,6 +16,9 @@ from __future__ import annotations
 import signal
 import time
 import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +32,14 @@ from .export import export_checkpoint
 from .master_weights import fp32_master_model, scored_weights
 from .progress import Progress, peak_memory_mb
 from .run_dir import RunDir
+
+if TYPE_CHECKING:
+    from data_pipeline.shards import Manifest
+
+    from .bptt import TrainState
+    from .config import RunConfig
+    from .curriculum import SegmentCurriculum
+    from .tracking import Tracker
 
 
 class NonFiniteLoss(RuntimeError):
@@ -48,25 +59,48 @@ class StopSignal:
         self.received = signum
 
 
+@dataclass
+class LoopParts:
+    """What one rank's loop works with, built by `train.trainer.train`. The first five are
+    what every step reads; a test that runs only part of the loop (one micro-step, steps
+    without checkpoints or evaluation) leaves out what that part never reads."""
+
+    cfg: RunConfig
+    engine: Any                           # the DeepSpeed engine (forward, backward, step)
+    state: TrainState                     # step, memory, window plan: what is checkpointed
+    device: torch.device
+    stage: int                            # ZeRO stage (0: the loop computes the grad norm)
+    env: Any = None                       # train.distributed's environment: rank, world size
+    schedule: Any = None                  # the learning-rate schedule (logged)
+    stream: Any = None                    # this rank's TokenStream / EpisodeStream
+    manifest: Manifest | None = None      # the data, for the evaluations
+    tracker: Tracker | None = None
+    ckpt_root: Path | None = None         # RunDir.checkpoints
+    curriculum: SegmentCurriculum | None = None
+    signals: Any = None                   # None: StopSignal() (SIGTERM, SIGUSR1 handlers)
+
+
 class TrainingLoop:
     """One rank's loop over optimizer steps; `run()` returns how it ended: "finished" or
     "interrupted" (a stop signal: checkpointed, to be resumed)."""
 
-    def __init__(self, cfg, env, device, engine, schedule, stream, manifest, state, tracker,
-                 ckpt_root, stage, curriculum):
-        self.cfg, self.env, self.device, self.engine = cfg, env, device, engine
-        self.schedule, self.stream, self.manifest, self.state = schedule, stream, manifest, state
-        self.tracker, self.ckpt_root, self.stage = tracker, ckpt_root, stage
-        self.curriculum = curriculum
-        self.signals = StopSignal()
-        self.fp16 = cfg.deepspeed.precision == "fp16"
+    def __init__(self, parts: LoopParts):
+        self.cfg, self.env, self.device, self.engine = (parts.cfg, parts.env, parts.device,
+                                                        parts.engine)
+        self.schedule, self.stream, self.manifest = parts.schedule, parts.stream, parts.manifest
+        self.state, self.tracker, self.ckpt_root = parts.state, parts.tracker, parts.ckpt_root
+        self.stage, self.curriculum = parts.stage, parts.curriculum
+        self.signals = parts.signals if parts.signals is not None else StopSignal()
+        self.fp16 = self.cfg.deepspeed.precision == "fp16"
         self.grad_norm: torch.Tensor | None = None  # ZeRO-0 only: DeepSpeed keeps none
+        # This rank's sums since the last read, ON THE DEVICE: [nll, counted tokens,
+        # non-finite], and the new tokens of those micro-steps.
+        self._pending: torch.Tensor | None = None
+        self._pending_new = 0
+        # What the final report scores, chosen once (_scored).
+        self._final_scored: tuple | None = None
 
     # ------------------------------------------------------------------ one micro-step
-    # This rank's sums since the last read, ON THE DEVICE: [nll, counted tokens, non-finite]
-    # (class defaults: tests build the loop without __init__).
-    _pending: torch.Tensor | None = None
-    _pending_new = 0
 
     def _micro_step(self, batches) -> tuple[float, float, bool, int]:
         """One window, one backward: (nll sum, counted tokens, stop flag, new tokens), summed
@@ -187,10 +221,6 @@ class TrainingLoop:
             print(f"saved checkpoint {path}", flush=True)
 
     # ------------------------------------------------------------------ evaluation
-    # What the final report scores, chosen once (class default: tests build the loop
-    # without __init__).
-    _final_scored: tuple | None = None
-
     def _scored(self, final: bool) -> tuple:
         """(forward, module, weights) an evaluation scores. Validations score the engine's
         module, the training copy (ZeRO-3 gathers its parameters in the engine's hooks). The

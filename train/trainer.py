@@ -30,7 +30,7 @@ from .distributed import (
 )
 from .engine import build_ds_config, initialize, zero_stage
 from .evaluate import protocol_for
-from .loop import NonFiniteLoss, TrainingLoop
+from .loop import LoopParts, NonFiniteLoss, TrainingLoop
 from .master_weights import scored_weights
 from .precision import check_precision, configure_matmul
 from .resume import restore
@@ -166,8 +166,10 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
                       use_mlflow=cfg.tracking.enabled)
     tracker.log_artifact(run.config, "config")
     tracker.log_artifact(run.ds_config, "config")
-    loop = TrainingLoop(cfg, env, device, engine, schedule, stream, manifest, state, tracker,
-                        ckpt_root, zero_stage(ds_config), curriculum)
+    loop = TrainingLoop(LoopParts(cfg=cfg, engine=engine, state=state, device=device,
+                                  stage=zero_stage(ds_config), env=env, schedule=schedule,
+                                  stream=stream, manifest=manifest, tracker=tracker,
+                                  ckpt_root=ckpt_root, curriculum=curriculum))
     try:
         status = loop.run()
     except BaseException:
