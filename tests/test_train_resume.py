@@ -18,6 +18,7 @@ from train_helpers import (
     ROOT,
     child_env,
     copy_run,
+    free_port,
     run_train,
     step_losses,
     tiny_config,
@@ -99,6 +100,30 @@ def test_resume_on_another_world_size_reshards_weights_and_optimizer(tmp_path, s
     assert sorted(losses) == list(range(1, 15))
     # Trained weights came back: the continued loss stays far below the untrained one.
     assert max(losses[s] for s in range(11, 15)) < first[1] - 0.15
+    # And the optimizer state with them: the Adam moments and step the 1-rank engine holds
+    # right after the re-sharding resume equal the 2-rank run's at the same step (10), read
+    # back on its own 2 ranks (a same-world resume, exact), both gathered in full fp32.
+    same = adam_after_resume(copy_run(zero_run("xl", stage), tmp_path, "same"), 2, tmp_path)
+    moved = adam_after_resume(copy_run(zero_run("xl", stage), tmp_path, "moved"), 1, tmp_path)
+    assert same["step"] == moved["step"] == [10.0]
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert same[key].keys() == moved[key].keys()
+        for name, tensor in same[key].items():
+            assert torch.equal(moved[key][name], tensor), (key, name)
+        assert any(t.abs().sum() > 0 for t in same[key].values())  # a trained state
+
+
+def adam_after_resume(config: Path, nproc: int, tmp: Path) -> dict:
+    """The Adam state right after resuming `config`'s run on `nproc` ranks
+    (tests/optimizer_probe.py)."""
+    out = tmp / f"{config.stem}-adam.pt"
+    done = subprocess.run([str(BIN / "torchrun"), "--nproc_per_node", str(nproc),
+                           "--master_port", str(free_port()),
+                           str(ROOT / "tests" / "optimizer_probe.py"), str(config), str(out)],
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return torch.load(out)
 
 
 def _next_step_loss(run_dir: Path, *, forget: bool) -> float:

@@ -1,0 +1,51 @@
+"""Run under torchrun by tests/test_train_resume.py: resume a run's latest checkpoint through
+train.trainer (the real restore: same world size, or re-sharded through DeepSpeed's universal
+checkpoint) and, instead of training on, save the Adam state the engine holds right after the
+resume, gathered in full fp32 on rank 0:
+
+    {"step": sorted Adam step values, "exp_avg": {parameter: flat tensor}, "exp_avg_sq": ...}
+
+    torchrun --nproc_per_node N tests/optimizer_probe.py <config.yaml> <out.pt>
+"""
+
+import sys
+
+import torch
+from deepspeed.utils import safe_get_full_optimizer_state
+
+from train import trainer
+from train.config import load_config
+from train.loop import TrainingLoop
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def adam_state(engine) -> dict:
+    """Collective under ZeRO-3: every rank gathers every parameter, in the same order."""
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)  # ZeRO wraps torch's
+    # ZeRO-1/2 map each parameter onto its slice of the flat optimizer state only at the
+    # first step; before one (right after a resume) the gather needs the mapping made here.
+    link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:
+        link()
+    out = {key: {} for key in MOMENTS}
+    for name, param in engine.module.named_parameters():
+        for key in MOMENTS:
+            full = safe_get_full_optimizer_state(param, key)
+            if full is None:  # ZeRO-0: torch's Adam keeps its state per parameter
+                full = inner.state[param][key]
+            out[key][name] = full.detach().float().cpu().reshape(-1).clone()
+    out["step"] = sorted({float(s["step"]) for s in inner.state.values() if "step" in s})
+    return out
+
+
+class Probe(TrainingLoop):
+    def run(self) -> str:
+        state = adam_state(self.engine)
+        if self.env.is_main:
+            torch.save(state, sys.argv[2])
+        return "finished"
+
+
+trainer.TrainingLoop = Probe
+sys.exit(trainer.main_entry(load_config(sys.argv[1], []), resume="require"))
