@@ -155,18 +155,13 @@ class EvalConfig:
     no_memory_baseline: bool = False
 
     def __post_init__(self):
-        if self.tgt_len == 0:
-            self.tgt_len = None
-        if self.mem_len == -1:
-            self.mem_len = None
+        self.tgt_len = None if self.tgt_len == 0 else self.tgt_len
+        self.mem_len = None if self.mem_len == -1 else self.mem_len
 
     def lengths(self, model: ModelConfig) -> EvalLengths:
         """The lengths evaluation runs with: each field set here, else the model's."""
-        def pick(mine, trained):
-            return trained if mine is None else mine
-        return EvalLengths(pick(self.tgt_len, model.tgt_len), pick(self.mem_len, model.mem_len),
-                           pick(self.clamp_len, model.clamp_len),
-                           pick(self.same_length, model.same_length))
+        return EvalLengths(*(getattr(model, f) if getattr(self, f) is None else getattr(self, f)
+                             for f in EvalLengths._fields))
 
 
 @dataclass
