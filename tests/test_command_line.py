@@ -19,11 +19,6 @@ from model import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = sorted(p.parent.name for p in ROOT.glob("*/__init__.py"))
-# The memory planner still imports CommandParser from the dispatcher; it switches to
-# memtrain.command_line (and leaves this set empty).
-STILL_ON_THE_DISPATCHER = {"planner/plan.py"}
-
-
 def test_an_invalid_config_is_one_line_naming_the_field_and_exit_2(capsys):
     err = ConfigError("bptt.mode", "unknown 'zigzag';\n  choose window or sliding")
     assert invalid_config("memtrain train", err) == 2
@@ -83,4 +78,4 @@ def test_no_subcommand_imports_the_dispatcher():
         str(p.relative_to(ROOT)) for pkg in PACKAGES if pkg != "memtrain"
         for p in (ROOT / pkg).rglob("*.py")
         if any(name.startswith("memtrain.cli") for name in _imports(p)))
-    assert [p for p in offenders if p not in STILL_ON_THE_DISPATCHER] == []
+    assert offenders == []

@@ -208,7 +208,7 @@ def test_cli_usage_errors_exit_two(capsys):
                                              ("rmt", 2, False), ("rmt-cache", 1, True)])
 def test_activation_model_matches_measured_bytes(name, depth, ckpt):
     """A tiny window on the CPU: the allocator's peak over forward + backward within 15% of
-    the model (the issue's goal), and autograd's saved tensors (bytes by storage), which the
+    the model (the accuracy target), and autograd's saved tensors (bytes by storage), which the
     model counts tensor by tensor, within 1%."""
     cfg = _tiny(name)
     got = bench_memory_plan.measure(cfg, 4, depth, ckpt)
