@@ -19,11 +19,9 @@ Why these: a matmul [N, K] x [K, M] costs N·K·M to recompute and N·M to keep,
 saved per kept byte grows with the reduction size K. The FFN's second matmul has the
 largest (K = d_inner); the other projections have K = d_model; the attention matmuls
 K = d_head or the key count, and their outputs are [B, H, Q, K] score matrices, the most
-bytes per second saved. Profile at the bench_bptt RMT shape (4 layers, d_model 256,
-segment 128, batch 8, fp32, 1 CPU thread; BENCHMARKS.md, "Selective recompute"): of a
-segment's forward, addmm 32%, mm 17%, bmm 15%, dropout's bernoulli_ 22%, the rest
-pointwise; the FFN-out matmul saves 5.2 ms per MB kept, the other linear ones 1.3-1.5,
-bmm 0.5.
+bytes per second saved. The measured profile (which ops a segment's forward spends its
+time in, and the time each policy saves per MB kept) is in BENCHMARKS.md, "Selective
+recompute".
 
 How: `torch.utils.checkpoint.checkpoint(..., use_reentrant=False, context_fn=...)` (one
 backward per step, what every ZeRO stage needs) with two dispatch modes of our own, the
