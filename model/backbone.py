@@ -91,7 +91,9 @@ class RelativeBackbone(nn.Module):
     def segment_shapes(cls, cfg: ModelConfig, rows: int, mem_len: int):
         """One training segment's shapes (model/shapes.py `SegmentShapes`): each mechanism
         states its own, next to its forward."""
-        raise NotImplementedError(f"{cls.__name__} states no segment shapes")
+        raise NotImplementedError(f"{cls.__name__} states no segment shapes, so `memtrain "
+                                  "plan` cannot count it: implement segment_shapes "
+                                  "(model/shapes.py)")
 
     @property
     def u_bias(self) -> nn.Parameter:

@@ -187,6 +187,21 @@ if who.rank == 0:
 """
 
 
+def _run_job(script: str, run, tmp_path, env, limit: int) -> str:
+    """sbatch the script on the local SLURM, wait up to `limit` seconds for the job to
+    leave the queue, and return its log."""
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    job = subprocess.run(["sbatch", "--parsable", str(path)], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    deadline = time.time() + limit
+    while subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True,
+                         text=True).stdout.strip():
+        assert time.time() < deadline, "the job did not end"
+        time.sleep(0.5)
+    return run.slurm_log(job).read_text()
+
+
 @pytest.mark.slow
 def test_on_slurm_the_deepspeed_launcher_delivers_comma_values_whole(tmp_path):
     slurm, stop = start_cluster_for_test(tmp_path / "slurm")
@@ -206,17 +221,8 @@ def test_on_slurm_the_deepspeed_launcher_delivers_comma_values_whole(tmp_path):
         script = render("configs/quickstart.yaml", [], run.path, SubmitOptions(
             gpus_per_node=0, tasks_per_node=2, cpus_per_task=1, time="10",
             launcher="deepspeed", python=sys.executable))
-        path = tmp_path / "job.sbatch"
-        path.write_text(script.replace(str(TRAIN_SCRIPT), str(probe)))
-        job = subprocess.run(["sbatch", "--parsable", str(path)], env=env, cwd=ROOT,
-                             capture_output=True, text=True, timeout=60,
-                             check=True).stdout.strip()
-        deadline = time.time() + 300
-        while subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True,
-                             text=True).stdout.strip():
-            assert time.time() < deadline, "the job did not end"
-            time.sleep(0.5)
-        log = run.slurm_log(job).read_text()
+        log = _run_job(script.replace(str(TRAIN_SCRIPT), str(probe)), run, tmp_path, env,
+                       limit=300)
         assert "cmd = srun -n 2" in log                    # DeepSpeed's slurm backend ran
         ranks = sorted(line for line in log.splitlines() if line.startswith("memtrain-probe"))
         assert ranks == [f"memtrain-probe rank {r} NCCL_IB_HCA=mlx5_0,mlx5_1" for r in (0, 1)]
@@ -255,17 +261,8 @@ def test_on_slurm_with_gpus_the_deepspeed_launchers_ranks_see_all_the_jobs_gpus(
             gpus_per_node=2, gpu_type="fake", cpus_per_task=1, time="10", mem="",
             launcher="deepspeed", python=sys.executable))
         assert "#SBATCH --gres=gpu:fake:2" in script
-        path = tmp_path / "job.sbatch"
-        path.write_text(script.replace(str(TRAIN_SCRIPT), str(probe)))
-        job = subprocess.run(["sbatch", "--parsable", str(path)], env=env, cwd=ROOT,
-                             capture_output=True, text=True, timeout=60,
-                             check=True).stdout.strip()
-        deadline = time.time() + 120
-        while subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True,
-                             text=True).stdout.strip():
-            assert time.time() < deadline, "the job did not end"
-            time.sleep(0.5)
-        log = run.slurm_log(job).read_text()
+        log = _run_job(script.replace(str(TRAIN_SCRIPT), str(probe)), run, tmp_path, env,
+                       limit=120)
         step = next(line for line in log.splitlines() if "cmd = srun" in line)
         assert "cmd = srun -n 2" in step and "--gpus" not in step, step
         ranks = sorted(line for line in log.splitlines() if line.startswith("memtrain-probe"))

@@ -12,13 +12,10 @@ weights move off the bf16 grid."""
 from __future__ import annotations
 
 import json
-import signal
 
-import deepspeed.comm.comm as ds_comm
 import pytest
 import torch
-from deepspeed.utils import groups
-from train_helpers import free_port, tiny_config
+from train_helpers import tiny_config, train_in_process
 
 from evaluation.cli import run_eval
 from train import trainer
@@ -35,10 +32,6 @@ def _train(tmp_path, monkeypatch, capsys, overrides):
     """Train in this process; returns (cfg, stdout, eval_report.json, seen): seen holds the
     engine's own loss on the final protocol, its master_state and module parameters at the
     end, and the params given to the tracker."""
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setattr(ds_comm, "cdb", None)        # no DeepSpeed backend from before
     seen = {}
 
     class Recording(TrainingLoop):
@@ -61,16 +54,7 @@ def _train(tmp_path, monkeypatch, capsys, overrides):
     monkeypatch.setattr(trainer, "Tracker", recording_tracker)
     cfg = load_config(tiny_config(tmp_path), ["eval.every=6", "optim.lr=0.01",
                                               "tracking.enabled=false", *overrides])
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        assert trainer.train(cfg) == 0
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        # train() leaves torch's process group; DeepSpeed's cached groups of it go too (as
-        # deepspeed.comm.destroy_process_group does), or the next engine made in this
-        # process finds them.
-        groups._release_process_group_references(None)
+    train_in_process(cfg, monkeypatch)
     report = json.loads((cfg.resolved_run_dir / "eval_report.json").read_text())
     return cfg, capsys.readouterr().out, report, seen
 

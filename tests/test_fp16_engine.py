@@ -12,14 +12,11 @@ Each run is `train.trainer.train` in this process (a world of one over gloo)."""
 from __future__ import annotations
 
 import json
-import signal
 
-import deepspeed.comm.comm as ds_comm
 import pytest
 import torch
 from deepspeed.accelerator import get_accelerator
-from deepspeed.utils import groups
-from train_helpers import free_port, step_losses, tiny_config
+from train_helpers import step_losses, tiny_config, train_in_process
 
 from train import trainer
 from train.config import load_config
@@ -36,10 +33,6 @@ def _train(tmp_path, monkeypatch, name, overrides):
     """Train run `name` in this process in fp16; returns (cfg, per-step records): each
     optimizer step's (loss scale after it, DeepSpeed's skipped-step count, whether any
     master weight changed)."""
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.setattr(ds_comm, "cdb", None)        # no DeepSpeed backend from before
     monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: True)
     records = []
 
@@ -57,13 +50,7 @@ def _train(tmp_path, monkeypatch, name, overrides):
     cfg = load_config(tiny_config(tmp_path, name),
                       ["tracking.enabled=false", "deepspeed.precision=fp16", "eval.every=0",
                        f"deepspeed.overrides.fp16.initial_scale_power={POWER}", *overrides])
-    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
-    try:
-        assert trainer.train(cfg) == 0
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
-        groups._release_process_group_references(None)
+    train_in_process(cfg, monkeypatch)
     return cfg, records
 
 

@@ -157,3 +157,29 @@ def copy_run(run_dir: Path, tmp: Path, name: str) -> Path:
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def train_in_process(cfg, monkeypatch) -> None:
+    """`train.trainer.train(cfg)` in this process, a world of one over gloo, left as found:
+    the rank variables set for the run only, no DeepSpeed backend from an earlier engine,
+    the signal handlers the trainer installs put back, and DeepSpeed's cached groups of the
+    process group that train() leaves released too (as deepspeed.comm.destroy_process_group
+    does), or the next engine made in this process finds them."""
+    import signal
+
+    import deepspeed.comm.comm as ds_comm
+    from deepspeed.utils import groups
+
+    from train import trainer
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(ds_comm, "cdb", None)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)}
+    try:
+        assert trainer.train(cfg) == 0
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        groups._release_process_group_references(None)
