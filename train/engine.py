@@ -52,8 +52,8 @@ def build_ds_config(cfg: RunConfig, world_size: int, *, load_universal: bool = F
     # window, ...) stay, and deepspeed.overrides can still change anything.
     precision = precision_sections(s, zero_stage(ds))
     for key in ("bf16", "fp16"):
-        enabled = precision.pop(key)
-        ds[key] = {**enabled, **ds.get(key, {}), "enabled": enabled["enabled"]}
+        ours = precision.pop(key)
+        ds[key] = {**ours, **ds.get(key, {}), "enabled": ours["enabled"]}
     ds = _merge(ds, precision)
     ds = _merge(ds, s.overrides)
     if load_universal:
