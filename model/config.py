@@ -55,6 +55,35 @@ class RMTOptions:
 
 
 MEMORY_NORMS = ("unit", "embedding", "none")
+BACKBONES = ("native", "hf")
+FINETUNE_MODES = ("full", "frozen", "lora")
+
+
+@dataclass
+class PretrainedOptions:
+    """A pretrained Hugging Face causal LM as the backbone (`backbone: hf`; model/pretrained/).
+
+    The shape fields of `ModelConfig` (vocab_size, d_model, n_layer, n_head, d_inner) are
+    read from the checkpoint's own config; the memory is RMT's (`model.rmt.num_mem_tokens`,
+    0 for the plain base model)."""
+
+    # A local directory (loads with no network) or a hub name (needs the network unless it
+    # is in the local cache; HF_HUB_OFFLINE=1 is respected).
+    path: str = ""
+    # Hub revision (branch, tag or commit); recorded with every export.
+    revision: str = ""
+    # A GGUF file inside `path` (transformers dequantises it to torch weights).
+    gguf_file: str = ""
+    # "full": every weight trains; "frozen": only the memory parameters train; "lora":
+    # low-rank adapters (peft) plus the memory parameters.
+    finetune: str = "full"
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    # Module names that get adapters; empty: peft's default for the architecture.
+    lora_targets: list[str] = field(default_factory=list)
+    # The base model's attention kernel: "sdpa" or "eager" (the reference softmax).
+    attn_implementation: str = "sdpa"
 
 
 @dataclass
@@ -62,6 +91,9 @@ class ModelConfig:
     """Shape and mechanism of a memory-augmented decoder-only language model."""
 
     mechanism: str = "xl"  # "xl" | "lamemo" | "rmt"
+    # "native": the relative-position stack of model/backbone.py; "hf": a pretrained
+    # Hugging Face causal LM wrapped with RMT memory tokens (`hf` options below).
+    backbone: str = "native"
     vocab_size: int = 256
     n_layer: int = 2
     d_model: int = 64
@@ -102,18 +134,30 @@ class ModelConfig:
     compile: bool = False
     lamemo: LaMemoOptions = field(default_factory=LaMemoOptions)
     rmt: RMTOptions = field(default_factory=RMTOptions)
+    hf: PretrainedOptions = field(default_factory=PretrainedOptions)
 
     def __post_init__(self) -> None:
         if isinstance(self.lamemo, dict):
             self.lamemo = _build_options(LaMemoOptions, self.lamemo, "model.lamemo")
         if isinstance(self.rmt, dict):
             self.rmt = _build_options(RMTOptions, self.rmt, "model.rmt")
+        if isinstance(self.hf, dict):
+            self.hf = _build_options(PretrainedOptions, self.hf, "model.hf")
+        if self.backbone == "hf":
+            # Lazy: transformers is imported only by configs that name a pretrained model.
+            from .pretrained.loading import resolve_shape
+            resolve_shape(self)
         if self.d_head == 0 and self.n_head > 0 and self.d_model % self.n_head == 0:
             self.d_head = self.d_model // self.n_head
         self.validate()
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
+        if self.backbone not in BACKBONES:
+            raise ConfigError("model.backbone", f"unknown backbone {self.backbone!r}; choose "
+                              f"one of {', '.join(BACKBONES)}")
+        if self.backbone == "hf":
+            self._validate_pretrained()
         if self.mechanism not in MECHANISMS:
             raise ConfigError("model.mechanism", f"unknown mechanism {self.mechanism!r}; "
                               f"choose one of {', '.join(MECHANISMS)}")
@@ -151,6 +195,9 @@ class ModelConfig:
         if clamp_len < -1 or clamp_len == 0:
             raise ConfigError(f"{section}.clamp_len", f"must be -1 (off) or > 0, got "
                               f"{clamp_len}")
+        if mem_len and self.backbone == "hf":
+            raise ConfigError(f"{section}.mem_len", "a pretrained backbone keeps no XL "
+                              f"cache; mem_len must be 0 (got {mem_len})")
         if same_length and self.mechanism == "rmt":
             raise ConfigError(f"{section}.same_length", "is not defined for RMT (memory rows "
                               "see their blocks in full)")
@@ -193,14 +240,45 @@ class ModelConfig:
         if o.memory_norm not in MEMORY_NORMS:
             raise ConfigError("model.rmt.memory_norm", f"unknown {o.memory_norm!r}; choose "
                               f"{', '.join(MEMORY_NORMS)}")
-        if o.num_mem_tokens <= 0:
-            raise ConfigError("model.rmt.num_mem_tokens", f"must be > 0, got "
-                              f"{o.num_mem_tokens} (use mechanism 'xl' for no memory tokens)")
+        if o.num_mem_tokens < 0:
+            raise ConfigError("model.rmt.num_mem_tokens", f"must be >= 0, got "
+                              f"{o.num_mem_tokens}")
+        if o.num_mem_tokens == 0 and self.backbone == "native":
+            # A pretrained backbone with 0 memory tokens is its plain base model (the
+            # no-memory baseline); the native stack has mechanism 'xl' for that.
+            raise ConfigError("model.rmt.num_mem_tokens", "must be > 0 (use mechanism 'xl' "
+                              "with mem_len 0 for no memory)")
         if o.mem_loss_weight < 0:
             raise ConfigError("model.rmt.mem_loss_weight", "must be >= 0")
         if not 0 <= o.mem_loss_token < self.vocab_size:
             raise ConfigError("model.rmt.mem_loss_token", f"must be a token id in "
                               f"[0, {self.vocab_size}), got {o.mem_loss_token}")
+
+    def _validate_pretrained(self) -> None:
+        o = self.hf
+        if self.mechanism != "rmt":
+            raise ConfigError("model.mechanism", f"a pretrained backbone carries RMT memory "
+                              f"tokens; set mechanism 'rmt' (got {self.mechanism!r})")
+        if self.rmt.mem_loss_weight:
+            raise ConfigError("model.rmt.mem_loss_weight", "the auxiliary memory loss is "
+                              "defined for the native stack only")
+        if self.compile:
+            raise ConfigError("model.compile", "compiles the native stack only; set it false "
+                              "with a pretrained backbone")
+        if o.finetune not in FINETUNE_MODES:
+            raise ConfigError("model.hf.finetune", f"unknown {o.finetune!r}; choose one of "
+                              f"{', '.join(FINETUNE_MODES)}")
+        if o.finetune == "frozen" and self.rmt.num_mem_tokens == 0:
+            raise ConfigError("model.hf.finetune", "'frozen' with no memory tokens leaves "
+                              "nothing to train")
+        if o.lora_r <= 0 or o.lora_alpha <= 0:
+            raise ConfigError("model.hf.lora_r", "lora_r and lora_alpha must be > 0")
+        if not 0.0 <= o.lora_dropout < 1.0:
+            raise ConfigError("model.hf.lora_dropout", f"must be in [0, 1), got "
+                              f"{o.lora_dropout}")
+        if o.attn_implementation not in ("sdpa", "eager"):
+            raise ConfigError("model.hf.attn_implementation", f"unknown "
+                              f"{o.attn_implementation!r}; choose 'sdpa' or 'eager'")
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:

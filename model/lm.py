@@ -1,5 +1,8 @@
 """MemoryLM: embeddings, one memory mechanism, and the (adaptive) softmax.
 
+`SegmentLM` is what the engine sees of any model, this one or a pretrained backbone with
+memory tokens (model/pretrained/):
+
     out = model(tokens, state, targets=..., loss_mask=...)
     out.loss, out.nll, out.state          # carry out.state into the next segment
 
@@ -55,39 +58,17 @@ class LMOutput:
     log_probs: torch.Tensor | None = None
 
 
-class MemoryLM(nn.Module):
+class SegmentLM(nn.Module):
+    """What every model the engine trains shares: (tokens, memory) -> LMOutput, run-time
+    lengths, and segment checkpointing. Subclasses build their layers and `_forward`."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.lengths = Lengths.from_config(cfg)
-        d = cfg.d_model
-        self.embedding = AdaptiveEmbedding(cfg.vocab_size, d, d, list(cfg.cutoffs),
-                                           cfg.div_val, cfg.init_std, cfg.proj_init_std)
-        self.softmax = AdaptiveSoftmax(cfg.vocab_size, d, d, list(cfg.cutoffs), cfg.div_val,
-                                       cfg.init_std, cfg.proj_init_std)
-        tie_embeddings(self.embedding, self.softmax, cfg.tie_weight, list(cfg.tie_projs))
-        self.drop = nn.Dropout(cfg.dropout)
-        self.core = core_class(cfg)(cfg)
-        self._init_backbone()
 
-    def _init_backbone(self) -> None:
-        """XL code init: N(0, init_std) weights, zero biases, LayerNorm gain N(1, init_std)."""
-        for name, p in self.core.named_parameters():
-            if "memory_init" in name or "memory_layer_norm" in name:  # the RMT sets them
-                continue
-            if "layer_norm" in name:
-                if name.endswith("weight"):
-                    nn.init.normal_(p, 1.0, self.cfg.init_std)
-                else:
-                    nn.init.zeros_(p)
-            elif name.endswith("bias") and p.dim() == 1:
-                nn.init.zeros_(p)
-            else:
-                nn.init.normal_(p, 0.0, self.cfg.init_std)
-
-    # ------------------------------------------------------------------ state and lengths
     def initial_state(self, batch_size: int, device=None) -> MemoryState:
-        return self.core.empty_state(batch_size, device)
+        raise NotImplementedError
 
     def set_lengths(self, mem_len: int | None = None, clamp_len: int | None = None,
                     same_length: bool | None = None) -> None:
@@ -113,7 +94,6 @@ class MemoryLM(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
-    # ------------------------------------------------------------------ forward
     def forward(self, tokens: torch.Tensor, state: MemoryState | None = None,
                 targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
                 return_log_probs: bool = False, checkpoint_segment: bool = False,
@@ -134,6 +114,11 @@ class MemoryLM(nn.Module):
         skips those ops ("full": nothing; "save-masks", "save-ffn-out", "save-linear",
         "save-matmul" and "save-masks+..." in model/recompute.py). Every policy is exact.
         Ignored without checkpoint_segment."""
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [batch, length], got shape {tuple(tokens.shape)}")
+        if state is not None and state.batch_size != tokens.shape[0]:
+            raise ValueError(f"memory state has {state.batch_size} rows but tokens have "
+                             f"{tokens.shape[0]}")
         if checkpoint_segment and torch.is_grad_enabled():
             ctx = context_fn(recompute, self.cfg.d_inner)
             extra = {} if ctx is None else {"context_fn": ctx}
@@ -142,11 +127,41 @@ class MemoryLM(nn.Module):
         return self._forward(tokens, state, targets, loss_mask, return_log_probs)
 
     def _forward(self, tokens, state, targets, loss_mask, return_log_probs) -> LMOutput:
-        if tokens.dim() != 2:
-            raise ValueError(f"tokens must be [batch, length], got shape {tuple(tokens.shape)}")
-        if state is not None and state.batch_size != tokens.shape[0]:
-            raise ValueError(f"memory state has {state.batch_size} rows but tokens have "
-                             f"{tokens.shape[0]}")
+        raise NotImplementedError
+
+
+class MemoryLM(SegmentLM):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        d = cfg.d_model
+        self.embedding = AdaptiveEmbedding(cfg.vocab_size, d, d, list(cfg.cutoffs),
+                                           cfg.div_val, cfg.init_std, cfg.proj_init_std)
+        self.softmax = AdaptiveSoftmax(cfg.vocab_size, d, d, list(cfg.cutoffs), cfg.div_val,
+                                       cfg.init_std, cfg.proj_init_std)
+        tie_embeddings(self.embedding, self.softmax, cfg.tie_weight, list(cfg.tie_projs))
+        self.drop = nn.Dropout(cfg.dropout)
+        self.core = core_class(cfg)(cfg)
+        self._init_backbone()
+
+    def _init_backbone(self) -> None:
+        """XL code init: N(0, init_std) weights, zero biases, LayerNorm gain N(1, init_std)."""
+        for name, p in self.core.named_parameters():
+            if "memory_init" in name or "memory_layer_norm" in name:  # the RMT sets them
+                continue
+            if "layer_norm" in name:
+                if name.endswith("weight"):
+                    nn.init.normal_(p, 1.0, self.cfg.init_std)
+                else:
+                    nn.init.zeros_(p)
+            elif name.endswith("bias") and p.dim() == 1:
+                nn.init.zeros_(p)
+            else:
+                nn.init.normal_(p, 0.0, self.cfg.init_std)
+
+    def initial_state(self, batch_size: int, device=None) -> MemoryState:
+        return self.core.empty_state(batch_size, device)
+
+    def _forward(self, tokens, state, targets, loss_mask, return_log_probs) -> LMOutput:
         # Embeddings are scaled by sqrt(d_model) inside AdaptiveEmbedding (XL code).
         h0 = self.drop(self.embedding(tokens))
         hidden, new_state = self.core(h0, state, self.lengths)
@@ -176,10 +191,15 @@ class MemoryLM(nn.Module):
         return out
 
 
-def build_model(cfg: ModelConfig | dict) -> MemoryLM:
-    """Build a model from a ModelConfig or a plain dict (validated either way)."""
+def build_model(cfg: ModelConfig | dict, **pretrained) -> SegmentLM:
+    """Build a model from a ModelConfig or a plain dict (validated either way): the native
+    stack, or a pretrained backbone with memory tokens (`backbone: hf`; `pretrained` are
+    `PretrainedMemoryLM`'s keyword arguments, e.g. an already loaded base model)."""
     if isinstance(cfg, dict):
         cfg = ModelConfig.from_dict(cfg)
+    if cfg.backbone == "hf":
+        from .pretrained import PretrainedMemoryLM
+        return PretrainedMemoryLM(cfg, **pretrained)
     return MemoryLM(cfg)
 
 

@@ -1,0 +1,82 @@
+"""Where the memory tokens sit in a pretrained model: positions and attention pattern.
+
+Order in the sequence, as RMT places them (Bulatov et al. 2022, §3): [read | tokens | write],
+m + L + m rows. Position ids (one rule for every supported architecture):
+
+    read   0 .. m-1
+    tokens m .. m+L-1
+    write  m+T .. m+T+m-1,   T = max(L, tgt_len)
+
+so the write tokens' positions do not move when a segment is shorter than the trained
+length (the last segment of a sample, an evaluation at a shorter length): with learned
+absolute positions (GPT-2) the write rows always get the same position embeddings, and with
+rotary positions (Llama, Qwen, Mistral, SmolLM) they sit after the text at the distances a
+causal LM reads its recent context at. The read tokens are always at 0 .. m-1, the tokens
+keep the positions a pretrained model saw (0-based after the memory). The authors' code
+gives the memory default positions 0 .. 2m+L-1, which moves the write block with L.
+
+Attention pattern: the native RMT table (model/rmt.py `rmt_allowed`, written out in
+tests/test_rmt.py): every row reads the read block; tokens are causal among themselves; the
+write rows see the read block, every token and the whole write block.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ..config import ConfigError
+from ..rmt import rmt_allowed
+
+# How each supported architecture encodes positions ("absolute": a learned table indexed
+# by position id; "rotary": RoPE on queries and keys). Both accept explicit position ids.
+POSITION_KINDS = {
+    "gpt2": "absolute", "gpt_neo": "absolute", "gpt_bigcode": "absolute",
+    "llama": "rotary", "mistral": "rotary", "qwen2": "rotary", "qwen3": "rotary",
+    "smollm3": "rotary", "gpt_neox": "rotary", "olmo": "rotary", "olmo2": "rotary",
+    "granite": "rotary", "phi3": "rotary",
+}
+
+
+def position_kind(hf_config) -> str:
+    """The architecture's position scheme, or a ConfigError naming what is supported."""
+    kind = POSITION_KINDS.get(hf_config.model_type)
+    if kind is None:
+        raise ConfigError("model.hf.path", f"architecture {hf_config.model_type!r} is not "
+                          f"supported for memory tokens (its position policy is unstated); "
+                          f"supported: {', '.join(sorted(POSITION_KINDS))}")
+    for name in ("final_logit_softcapping", "logit_scale"):
+        if getattr(hf_config, name, None):
+            raise ConfigError("model.hf.path", f"{hf_config.model_type!r} post-processes its "
+                              f"logits ({name}), which the wrapper does not reproduce")
+    return kind
+
+
+def check_accepts_positions(decoder) -> None:
+    if "position_ids" not in inspect.signature(decoder.forward).parameters:
+        raise ConfigError("model.hf.path", f"{type(decoder).__name__}.forward takes no "
+                          "position_ids, so memory positions cannot be placed")
+
+
+def memory_position_ids(m: int, n_tok: int, tgt_len: int, device=None) -> torch.Tensor:
+    """Position ids [1, 2m + L] of [read | tokens | write] (the module docstring's rule)."""
+    t = max(n_tok, tgt_len)
+    return torch.cat([torch.arange(0, m + n_tok, device=device),
+                      torch.arange(m + t, 2 * m + t, device=device)])[None]
+
+
+def max_position(m: int, tgt_len: int) -> int:
+    """Highest position id a segment of the trained length uses, plus one."""
+    return 2 * m + tgt_len
+
+
+def memory_attention_mask(m: int, n_tok: int, dtype: torch.dtype, attn_implementation: str,
+                          device=None) -> torch.Tensor:
+    """The 4-D mask [1, 1, 2m+L, 2m+L] transformers uses as given: bool (True = attend) for
+    SDPA, additive (0 / dtype min) for the eager kernel, which adds it to the scores."""
+    allowed = rmt_allowed(m, n_tok, 0, None, False, device)[:, None]
+    if attn_implementation == "sdpa":
+        return allowed
+    blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device)
+    return torch.where(allowed, torch.zeros((), dtype=dtype, device=device), blocked)

@@ -1,0 +1,111 @@
+"""PretrainedMemoryLM: RMT memory tokens around a pretrained causal LM (Bulatov et al. 2022).
+
+    H̃_τ = [H^mem_τ ∘ E(x_τ) ∘ H^mem_τ]          read block | token embeddings | write block
+    [· ∘ H_τ ∘ H^write_τ] = Decoder(H̃_τ)          the base model's own decoder stack
+    logits_τ = LMHead(H_τ);  H^mem_{τ+1} := H^write_τ
+
+H^mem_1 is a learned [m, d] matrix. The memory is the native RMT state (model/memory.py
+`RMTMemory`), not detached here: the caller's BPTT windows cut it, exactly as for the native
+stack, so the loop, checkpoints, evaluation and generation run it unchanged. Positions and
+the attention pattern are in positions.py. With m = 0 the decoder gets exactly what the base
+model's own forward gives it (no mask, default positions): the plain base model, the
+baseline without memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..backbone import Learned
+from ..config import ModelConfig
+from ..lm import LMOutput, SegmentLM
+from ..memory import RMTMemory
+from .loading import apply_finetune, load_base
+from .positions import (check_accepts_positions, memory_attention_mask, memory_position_ids,
+                        position_kind)
+
+
+class PretrainedMemoryLM(SegmentLM):
+    """`base`: an already loaded AutoModelForCausalLM (train/ loads it sharded under
+    ZeRO-3); otherwise it is loaded from `cfg.hf`. `memory_scale`: the std of the initial
+    memory; by default the std of the base model's input embeddings, which must then be
+    materialised (the caller measures it for a sharded base)."""
+
+    def __init__(self, cfg: ModelConfig, base=None, memory_scale: float | None = None):
+        super().__init__(cfg)
+        base = base if base is not None else load_base(cfg)
+        self.position_kind = position_kind(base.config)
+        check_accepts_positions(base.base_model)
+        apply_finetune(base, cfg.hf)
+        if cfg.checkpoint_layers:
+            base.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.base = base
+        m = cfg.rmt.num_mem_tokens
+        self.memory_init = None
+        if m:
+            if memory_scale is None:
+                weight = base.get_input_embeddings().weight
+                if weight.numel() == 0:
+                    raise ValueError("the input embeddings are not materialised (a sharded "
+                                     "load): pass memory_scale")
+                memory_scale = float(weight.detach().float().std())
+            # Drawn at the scale of the pretrained token embeddings the memory sits among.
+            self.memory_init = Learned(torch.randn(m, cfg.d_model) * memory_scale)
+
+    @property
+    def num_mem_tokens(self) -> int:
+        return self.cfg.rmt.num_mem_tokens
+
+    def initial_state(self, batch_size: int, device=None) -> RMTMemory:
+        return RMTMemory(tokens=torch.zeros(batch_size, self.num_mem_tokens, self.cfg.d_model,
+                                            device=device),
+                         fresh=torch.ones(batch_size, dtype=torch.bool, device=device))
+
+    def trained_parameter_names(self) -> list[str]:
+        """What `model.hf.finetune` trains: what an export saves (the rest is the base)."""
+        return [n for n, p in self.named_parameters() if p.requires_grad]
+
+    def decode(self, tokens: torch.Tensor, state: RMTMemory | None):
+        """tokens [B, L] -> (hidden [B, L, d] after the final norm, new RMTMemory)."""
+        bsz, n_tok = tokens.shape
+        m = self.num_mem_tokens
+        if state is None:
+            state = self.initial_state(bsz, tokens.device)
+        emb = self.base.get_input_embeddings()(tokens)
+        if m == 0:
+            hidden = self.base.base_model(inputs_embeds=emb, use_cache=False)[0]
+            return hidden, RMTMemory(tokens=state.tokens, fresh=torch.zeros_like(state.fresh))
+        init = self.memory_init().to(emb.dtype)[None].expand(bsz, -1, -1)
+        mem_in = torch.where(state.fresh[:, None, None], init, state.tokens.to(emb.dtype))
+        x = torch.cat([mem_in, emb, mem_in], dim=1)
+        positions = memory_position_ids(m, n_tok, self.cfg.tgt_len, tokens.device)
+        mask = memory_attention_mask(m, n_tok, emb.dtype,
+                                     self.base.config._attn_implementation, tokens.device)
+        h = self.base.base_model(inputs_embeds=x, attention_mask=mask,
+                                 position_ids=positions.expand(bsz, -1), use_cache=False)[0]
+        # A copy of the write rows, not a view: a view would keep the whole [B, 2m+L, d]
+        # output alive for as long as the memory lives (every segment of a BPTT window).
+        write = h[:, m + n_tok:].clone()
+        return h[:, m:m + n_tok], RMTMemory(tokens=write, fresh=torch.zeros_like(state.fresh))
+
+    def _forward(self, tokens, state, targets, loss_mask, return_log_probs) -> LMOutput:
+        hidden, new_state = self.decode(tokens, state)
+        logits = self.base.get_output_embeddings()(hidden)
+        out = LMOutput(state=new_state)
+        if return_log_probs:
+            out.log_probs = torch.log_softmax(logits.float(), dim=-1)
+        if targets is None:
+            return out
+        bsz, seg = tokens.shape
+        # fp32 log-softmax whatever the model's dtype (bf16 logits lose the NLL's low bits).
+        nll = F.cross_entropy(logits.float().reshape(bsz * seg, -1),
+                              targets.to(logits.device, non_blocking=True).reshape(-1),
+                              reduction="none").view(bsz, seg)
+        if loss_mask is None:
+            loss_mask = torch.ones_like(nll, dtype=torch.bool)
+        out.nll = nll * loss_mask
+        out.n_tokens = loss_mask.sum()
+        out.loss = out.nll.sum() / out.n_tokens.clamp(min=1)
+        return out
