@@ -145,7 +145,7 @@ class ModelConfig:
             self.hf = _build_options(PretrainedOptions, self.hf, "model.hf")
         if self.backbone == "hf":
             # Lazy: transformers is imported only by configs that name a pretrained model.
-            from .pretrained.loading import resolve_shape
+            from .pretrained.checkpoint_config import resolve_shape
             resolve_shape(self)
         if self.d_head == 0 and self.n_head > 0 and self.d_model % self.n_head == 0:
             self.d_head = self.d_model // self.n_head

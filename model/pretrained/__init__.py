@@ -1,15 +1,14 @@
 """model/pretrained/: RMT memory tokens around a pretrained Hugging Face causal LM.
 
-    loading.py     read the checkpoint's shape into ModelConfig; load the weights; freeze or
-                   attach LoRA adapters (peft)
+    checkpoint_config.py  the shape ModelConfig reads from the checkpoint's config; how
+                   the architecture encodes positions
+    loading.py     load the weights and tokenizer; freeze, or attach LoRA adapters (peft)
     positions.py   where the memory tokens sit: the position ids and attention pattern
     wrapper.py     PretrainedMemoryLM: the same (tokens, memory) -> (loss, memory) model as
                    the native stack, so the engine never asks which one it runs
 
 Knows nothing of DeepSpeed, MLflow or SLURM: a sharded ZeRO-3 load is train/'s business
 (train/pretrained.py), which hands this package the already-built base model.
+
+Nothing is imported here: ModelConfig reads checkpoint_config.py while it is being built.
 """
-
-from .wrapper import PretrainedMemoryLM
-
-__all__ = ["PretrainedMemoryLM"]

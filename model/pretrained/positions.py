@@ -26,31 +26,8 @@ import inspect
 
 import torch
 
-from ..config import ConfigError
 from ..rmt import rmt_allowed
-
-# How each supported architecture encodes positions ("absolute": a learned table indexed
-# by position id; "rotary": RoPE on queries and keys). Both accept explicit position ids.
-POSITION_KINDS = {
-    "gpt2": "absolute", "gpt_neo": "absolute", "gpt_bigcode": "absolute",
-    "llama": "rotary", "mistral": "rotary", "qwen2": "rotary", "qwen3": "rotary",
-    "smollm3": "rotary", "gpt_neox": "rotary", "olmo": "rotary", "olmo2": "rotary",
-    "granite": "rotary", "phi3": "rotary",
-}
-
-
-def position_kind(hf_config) -> str:
-    """The architecture's position scheme, or a ConfigError naming what is supported."""
-    kind = POSITION_KINDS.get(hf_config.model_type)
-    if kind is None:
-        raise ConfigError("model.hf.path", f"architecture {hf_config.model_type!r} is not "
-                          f"supported for memory tokens (its position policy is unstated); "
-                          f"supported: {', '.join(sorted(POSITION_KINDS))}")
-    for name in ("final_logit_softcapping", "logit_scale"):
-        if getattr(hf_config, name, None):
-            raise ConfigError("model.hf.path", f"{hf_config.model_type!r} post-processes its "
-                              f"logits ({name}), which the wrapper does not reproduce")
-    return kind
+from ..typed import ConfigError
 
 
 def check_accepts_positions(decoder) -> None:
@@ -64,11 +41,6 @@ def memory_position_ids(m: int, n_tok: int, tgt_len: int, device=None) -> torch.
     t = max(n_tok, tgt_len)
     return torch.cat([torch.arange(0, m + n_tok, device=device),
                       torch.arange(m + t, 2 * m + t, device=device)])[None]
-
-
-def max_position(m: int, tgt_len: int) -> int:
-    """Highest position id a segment of the trained length uses, plus one."""
-    return 2 * m + tgt_len
 
 
 def memory_attention_mask(m: int, n_tok: int, dtype: torch.dtype, attn_implementation: str,

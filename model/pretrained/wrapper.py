@@ -19,11 +19,11 @@ import torch.nn.functional as F
 
 from ..backbone import Learned
 from ..config import ModelConfig
-from ..lm import LMOutput, SegmentLM
 from ..memory import RMTMemory
+from ..segment_lm import LMOutput, SegmentLM
+from .checkpoint_config import position_kind
 from .loading import apply_finetune, load_base
-from .positions import (check_accepts_positions, memory_attention_mask, memory_position_ids,
-                        position_kind)
+from .positions import check_accepts_positions, memory_attention_mask, memory_position_ids
 
 
 class PretrainedMemoryLM(SegmentLM):
