@@ -73,11 +73,15 @@ def zero_stage(ds_config: dict) -> int:
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig) -> torch.optim.Optimizer:
     """Adam(W) over two groups: weight decay only on matrices (projections, embeddings);
     LayerNorm gains and biases, the u/v biases, RMT's initial memory and every other vector
-    are not decayed (the usual practice: decaying a gain towards 0 shrinks the layer)."""
+    are not decayed (the usual practice: decaying a gain towards 0 shrinks the layer).
+    Frozen parameters (a pretrained base with `model.hf.finetune` frozen or lora) are left
+    out: no optimizer state, no fp32 master copy."""
     o = cfg.optim
     cls = torch.optim.AdamW if o.name == "adamw" else torch.optim.Adam
     decay, no_decay = [], []
     for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
         # u/v ([H, dh]) and the initial memory ([m, d]) are 2-D but are vectors per row.
         matrix = p.dim() >= 2 and "rel_" not in name and "memory_init" not in name
         (decay if matrix else no_decay).append(p)
