@@ -60,9 +60,13 @@ def _check_layout(cfg, overrides: list[str], opts) -> None:
 def absolute_paths(cfg) -> list[str]:
     """Overrides that pin the run config's relative paths to the directory `memtrain submit`
     ran in (what a local run there would use), so that the job does not depend on the
-    directory sbatch starts it in: data.path, deepspeed.config, a sqlite tracking.uri. URLs
-    and url_template are left as they are."""
+    directory sbatch starts it in: data.path, deepspeed.config, a sqlite tracking.uri, a
+    pretrained checkpoint directory (model.hf.path). URLs, url_template and hub names are
+    left as they are."""
     out = []
+    hf_path = cfg.model.hf.path if cfg.model.backbone == "hf" else ""
+    if hf_path and os.path.isdir(os.path.expanduser(hf_path)) and not os.path.isabs(hf_path):
+        out.append(f"model.hf.path={os.path.abspath(os.path.expanduser(hf_path))}")
     data = cfg.data.path
     if "://" not in data and not data.startswith("pipe:") and not os.path.isabs(data):
         out.append(f"data.path={os.path.abspath(data)}")
@@ -72,6 +76,13 @@ def absolute_paths(cfg) -> list[str]:
     if uri.startswith(sqlite) and not os.path.isabs(uri[len(sqlite):]):
         out.append(f"tracking.uri={sqlite_uri(os.path.abspath(uri[len(sqlite):]))}")
     return out
+
+
+def _hub_name(cfg) -> str:
+    """model.hf.path when it names a hub model rather than a local directory."""
+    if cfg.model.backbone != "hf" or os.path.isdir(os.path.expanduser(cfg.model.hf.path)):
+        return ""
+    return cfg.model.hf.path
 
 
 def _check_torch(opts, strict: bool) -> None:
@@ -146,6 +157,13 @@ def main_submit(argv: list[str] | None = None) -> int:
         for warning in precision_warnings(cfg.deepspeed.precision, args.overrides,
                                           opts.gpus_per_node, opts.gpu_type):
             print(f"memtrain submit: {warning}", file=sys.stderr)
+        hub_name = _hub_name(cfg)
+        if hub_name:
+            print(f"memtrain submit: note: model.hf.path {hub_name!r} is a hub name: every "
+                  "node resolves it through its own Hugging Face cache (HF_HOME), and a node "
+                  "without network fails unless that cache holds it; a directory every node "
+                  "reads (huggingface-cli download ... --local-dir) avoids both",
+                  file=sys.stderr)
         if opts.gpus_per_node and not opts.skip_torch_check:
             _check_torch(opts, strict=not args.dry_run)
         _check_partition(opts, strict=not args.dry_run)

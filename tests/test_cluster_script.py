@@ -98,6 +98,21 @@ def test_relative_run_paths_are_pinned_to_the_submit_directory(tmp_path, monkeyp
         assert case.index(f"data.path={value} ") < case.index(f"data.path={tmp_path}/{value} ")
 
 
+def test_a_relative_pretrained_checkpoint_directory_is_pinned_too(tmp_path, monkeypatch,
+                                                                 capsys):
+    from pretrained_helpers import hf_model_section, tiny_gpt2
+
+    monkeypatch.chdir(tmp_path)
+    tiny_gpt2(tmp_path / "ckpt" / "gpt2")
+    cfg = yaml.safe_load((ROOT / "configs" / "quickstart.yaml").read_text())
+    cfg["model"] = hf_model_section(Path("ckpt/gpt2"), m=2, tgt_len=16)
+    Path("hf.yaml").write_text(yaml.safe_dump(cfg))
+    assert main_submit(["--config", "hf.yaml", "--gpus-per-node", "0", "--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert f"model.hf.path={tmp_path}/ckpt/gpt2" in out.out
+    assert "hub name" not in out.err
+
+
 def test_the_stash_covers_every_variable_deepspeed_passes_on_cuda():
     from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
     from deepspeed.launcher.runner import EXPORT_ENVS
