@@ -60,6 +60,10 @@ def analyze_run(cfg: RunConfig, checkpoint: str | None = None, split: str | None
     checkpoint), ShardError (no such split) or ValueError (bad numbers, data too short)."""
     if segments < 1 or rows < 1:
         raise ValueError(f"--segments and --rows must be >= 1, got {segments} and {rows}")
+    if cfg.model.backbone != "native":
+        raise ConfigError("model.backbone", "memtrain analyze records the native stack's "
+                          "attention maps and memory; a pretrained backbone's run has none "
+                          "of its hooks (score it with memtrain eval)")
     split = split or cfg.eval.split
     manifest = load_manifest(cfg.data.path)
     manifest.split(split)  # names the splits the manifest has

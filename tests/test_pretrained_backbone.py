@@ -193,3 +193,17 @@ def test_a_hub_name_is_not_fetched_when_hf_hub_offline_is_set(monkeypatch, tmp_p
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
     with pytest.raises(ConfigError, match="cannot read the config of 'memtrain-test/absent'"):
         ModelConfig.from_dict(hf_model_section("memtrain-test/absent"))
+
+
+def test_memtrain_analyze_refuses_a_pretrained_backbone_by_name(ckpt, tmp_path):
+    import yaml
+
+    from evaluation.analyze_cli import analyze_run
+    from train.config import load_config
+
+    path = tmp_path / "hf.yaml"
+    path.write_text(yaml.safe_dump({"name": "hf", "model": hf_model_section(ckpt("gpt2")),
+                                    "data": {"path": str(tmp_path / "data")}}))
+    with pytest.raises(ConfigError) as err:
+        analyze_run(load_config(path, []))
+    assert err.value.field == "model.backbone"
