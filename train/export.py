@@ -3,6 +3,14 @@
 ZeRO-1/2/3 keep the fp32 master weights partitioned in the optimizer files; DeepSpeed's
 `get_fp32_state_dict_from_zero_checkpoint` reassembles them (the fallback that works for any
 world size). ZeRO-0 keeps the whole module in the rank-0 model file.
+
+A pretrained backbone (`model.backbone: hf`) with a frozen or LoRA-adapted base trains only
+some parameters: the optimizer holds only those (train/engine.py build_optimizer), so only
+they have fp32 masters. What DeepSpeed keeps of the frozen rest differs by stage (the module
+file at ZeRO-0/1/2, in the training dtype; separate "frozen fragments" at ZeRO-2/3), and none
+of it is needed: the frozen weights are the pretrained checkpoint's, which `build_model`
+loads again in fp32 from `model.hf`. So for hf only the trained names are read from the
+consolidated state (model/io.py load_trained), strictly.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from model import ConfigError, ModelConfig, build_model, save_model
+from model.io import exported_names, load_trained
 
 from .checkpoint import CheckpointInfo
 
@@ -105,10 +114,20 @@ def check_model_config(info: CheckpointInfo, model_cfg: ModelConfig) -> None:
 
 
 def load_weights(info: CheckpointInfo, model_cfg: ModelConfig):
-    """A plain (no DeepSpeed) MemoryLM with the checkpoint's weights."""
+    """A plain (no DeepSpeed) model with the checkpoint's weights (fp32)."""
     check_model_config(info, model_cfg)
     model = build_model(model_cfg)
     state = fp32_state_dict(info)
+    if exported_names(model) is not None:  # a pretrained backbone: its trained weights
+        own = model.state_dict()
+        strays = [n for n in state if n not in own]
+        if strays:
+            raise ValueError(f"checkpoint {info.path} does not match the model code: "
+                             f"unexpected {strays[:5]}")
+        trained = set(exported_names(model))
+        load_trained(model, {n: t for n, t in state.items() if n in trained},
+                     f"checkpoint {info.path}")
+        return model
     # Tied weights may be stored under one name only; anything else missing is an error.
     tied = {n for n, p in model.named_parameters(remove_duplicate=False)} - \
         {n for n, p in model.named_parameters()}
@@ -146,9 +165,14 @@ def load_weights_once(info: CheckpointInfo, model_cfg: ModelConfig, device: torc
     if model is None:
         model = build_model(model_cfg)
     model = model.to(device)
+    # Every rank builds the same names in order. A pretrained backbone's frozen weights are
+    # the base every rank loaded from `model.hf`: only the trained ones travel.
+    names = exported_names(model)
+    tensors = (model.state_dict().values() if names is None
+               else [dict(model.named_parameters())[n] for n in names])
     with torch.no_grad():
-        for tensor in model.state_dict().values():  # every rank builds the same names in order
-            dist.broadcast(tensor, src=0)
+        for tensor in tensors:
+            dist.broadcast(tensor.data, src=0)
     return model
 
 

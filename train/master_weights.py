@@ -68,13 +68,18 @@ def _fp16_optimizer_masters(optimizer) -> dict[int, torch.Tensor]:
 
 
 def master_state(engine) -> dict[str, torch.Tensor] | None:
-    """{parameter name: full fp32 master tensor} of the engine's module; None when
-    DeepSpeed keeps no master copy this code knows. Collective: every rank calls it."""
+    """{parameter name: full fp32 master tensor} of the engine's module's trained
+    parameters; None when DeepSpeed keeps no master copy this code knows. Frozen parameters
+    (a pretrained base with `model.hf.finetune` frozen or lora) are not in the optimizer, so
+    they have no master: they are the pretrained weights, which `build_model` loads in fp32.
+    Collective: every rank calls it."""
     from deepspeed.utils import safe_get_full_fp32_param
 
     fallback: dict[int, torch.Tensor] | None = None
     out = {}
     for name, param in engine.module.named_parameters():
+        if not param.requires_grad:
+            continue
         full = safe_get_full_fp32_param(param)
         if full is None:
             if fallback is None:
@@ -96,5 +101,6 @@ def fp32_master_model(engine, model_cfg: ModelConfig, device: torch.device):
         model = build_model(model_cfg)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(state[name].reshape(param.shape))
+            if param.requires_grad:  # the frozen rest: the base as build_model loaded it
+                param.copy_(state[name].reshape(param.shape))
     return model.to(device)
