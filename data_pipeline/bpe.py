@@ -2,6 +2,8 @@
 
 Long texts are encoded in pieces cut only where the cut cannot change the result (see
 `_safe_newline`), so `encode_stream` over arbitrary chunks equals `encode` of the whole.
+`LineCutVocab` holds that cutting for every subword kind (BPEVocab here, the pretrained
+checkpoints' tokenizers in hf_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ def _last_safe_cut(text: str, lo: int) -> int | None:
     return None
 
 
-def _safe_pieces(text: str, piece: int) -> tuple[list[str], str]:
+def safe_pieces(text: str, piece: int) -> tuple[list[str], str]:
     """Split text at safe cuts into pieces of about `piece` characters; return (pieces, rest)
     where `rest` (after the last safe cut) may still join with what follows."""
     pieces: list[str] = []
@@ -56,7 +58,40 @@ def _safe_pieces(text: str, piece: int) -> tuple[list[str], str]:
     return pieces, text[start:]
 
 
-class BPEVocab(Vocab):
+class LineCutVocab(Vocab):
+    """A subword vocabulary that encodes long text in pieces cut at safe newlines
+    (`safe_pieces`). Subclasses implement `_encode_pieces(pieces, starts_text)`: the ids of
+    the pieces' concatenation, where `starts_text` says whether the first piece begins the
+    text (every other piece follows a cut right after a newline)."""
+
+    def _encode_pieces(self, pieces: list[str], starts_text: bool) -> np.ndarray:
+        raise NotImplementedError
+
+    def encode(self, text: str | bytes, where: str = "") -> np.ndarray:
+        pieces, rest = safe_pieces(as_text(text, where), _BPE_PIECE_CHARS)
+        return self._encode_pieces(pieces + [rest], True)
+
+    def encode_stream(self, chunks: Iterable[bytes], where: str = "") -> Iterator[np.ndarray]:
+        dec = codecs.getincrementaldecoder("utf-8")()
+        carry = ""
+        offset = 0
+        started = False  # a piece was encoded: the next ones follow a cut
+        try:
+            for chunk in chunks:
+                pieces, carry = safe_pieces(carry + dec.decode(chunk), _BPE_PIECE_CHARS)
+                offset += len(chunk)
+                if pieces:
+                    yield self._encode_pieces(pieces, not started)
+                    started = True
+            carry += dec.decode(b"", final=True)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"invalid UTF-8{located(where)} near byte {offset + e.start}: "
+                             f"{e.reason}") from None
+        if carry:
+            yield self._encode_pieces([carry], not started)
+
+
+class BPEVocab(LineCutVocab):
     """Byte-level BPE (`tokenizers`): GPT-2 pre-tokenization, no prefix space, no specials, so
     decode(encode(text)) == text for any text. `to_dict` keeps the tokenizer's own JSON."""
 
@@ -86,34 +121,14 @@ class BPEVocab(Vocab):
         tok.train_from_iterator([texts] if isinstance(texts, str) else texts, trainer=trainer)
         return cls(tok.to_str())
 
-    def _encode_pieces(self, pieces: list[str]) -> np.ndarray:
+    def _encode_pieces(self, pieces: list[str], starts_text: bool = True) -> np.ndarray:
+        # A byte-level BPE piece after a safe cut encodes as it does inside the whole text.
         pieces = [p for p in pieces if p]
         if not pieces:
             return np.zeros(0, dtype=self.id_dtype)
         encs = self.tokenizer.encode_batch_fast(pieces, add_special_tokens=False)
         n = sum(len(e.ids) for e in encs)
         return np.fromiter((i for e in encs for i in e.ids), dtype=self.id_dtype, count=n)
-
-    def encode(self, text: str | bytes, where: str = "") -> np.ndarray:
-        pieces, rest = _safe_pieces(as_text(text, where), _BPE_PIECE_CHARS)
-        return self._encode_pieces(pieces + [rest])
-
-    def encode_stream(self, chunks: Iterable[bytes], where: str = "") -> Iterator[np.ndarray]:
-        dec = codecs.getincrementaldecoder("utf-8")()
-        carry = ""
-        offset = 0
-        try:
-            for chunk in chunks:
-                pieces, carry = _safe_pieces(carry + dec.decode(chunk), _BPE_PIECE_CHARS)
-                offset += len(chunk)
-                if pieces:
-                    yield self._encode_pieces(pieces)
-            carry += dec.decode(b"", final=True)
-        except UnicodeDecodeError as e:
-            raise ValueError(f"invalid UTF-8{located(where)} near byte {offset + e.start}: "
-                             f"{e.reason}") from None
-        if carry:
-            yield self._encode_pieces([carry])
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(np.asarray(ids).tolist(), skip_special_tokens=False)

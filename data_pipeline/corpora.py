@@ -34,18 +34,22 @@ from tqdm import tqdm
 
 from .bpe import BPEVocab
 from .corpus_files import expand_globs, resolve_files
+from .hf_tokenizer import HFVocab, hf_name
 from .vocab import ByteVocab, SymbolVocab, Vocab, WordVocab
 
 CORPORA = ("enwik8", "text8", "wt103", "wt2", "ptb", "text")
 SPLITS = ("train", "valid", "test")
 HELDOUT_BYTES = 5_000_000  # enwik8 / text8: size of valid and of test
+# "hf" is `hf:<checkpoint>`, a pretrained model's own tokenizer (hf_tokenizer.py). Not for
+# enwik8/text8: their splits are cut at byte offsets that may fall inside a UTF-8 character,
+# and their published results are bits per character over their own symbols.
 TOKENIZERS = {
     "enwik8": ("symbols", "bytes"),
     "text8": ("symbols", "bytes"),
-    "wt103": ("words",),
-    "wt2": ("words",),
-    "ptb": ("words",),
-    "text": ("bytes", "chars", "bpe"),
+    "wt103": ("words", "hf"),
+    "wt2": ("words", "hf"),
+    "ptb": ("words", "hf"),
+    "text": ("bytes", "chars", "bpe", "hf"),
 }
 _WIKITEXT_DIR = {"wt103": "wikitext-103", "wt2": "wikitext-2"}
 _BLANKS = b" \t\n\r\x0b\x0c"
@@ -268,7 +272,7 @@ def _open_char_benchmark(name, data_dir, download, tokenizer, heldout, xl_compat
     return Corpus(name, vocab, spans, tokenizer, transform, xl_compat=xl)
 
 
-def _open_word_benchmark(name, data_dir, download, progress):
+def _open_word_benchmark(name, data_dir, download, progress, hf_vocab=None):
     if name == "ptb":
         candidates = [[f"ptb.{s}.txt"] for s in SPLITS]
     else:
@@ -276,6 +280,8 @@ def _open_word_benchmark(name, data_dir, download, progress):
         candidates = [[f"wiki.{s}.tokens", f"{sub}/wiki.{s}.tokens"] for s in SPLITS]
     paths = resolve_files(name, data_dir, candidates, download, progress)
     spans = {s: [Span(p, 0, p.stat().st_size)] for s, p in zip(SPLITS, paths, strict=True)}
+    if hf_vocab is not None:  # the raw text, "<unk>" and " @-@ " included, as the model reads it
+        return Corpus(name, hf_vocab, spans, "hf")
     counts: Counter[str] = Counter()
     where = f"{name} train split ({paths[0]})"
     chunks = _progress(_read_spans(spans["train"], 1 << 24), spans["train"][0].size,
@@ -287,7 +293,7 @@ def _open_word_benchmark(name, data_dir, download, progress):
 
 
 def _open_text(data_dir, files, tokenizer, bpe_vocab_size, valid_fraction, test_fraction,
-               progress):
+               progress, hf_vocab=None):
     if not files or not files.get("train"):
         raise ValueError('the "text" corpus needs files={"train": [globs], "valid": [...], '
                          '"test": [...]} (valid and test optional)')
@@ -328,8 +334,10 @@ def _open_text(data_dir, files, tokenizer, bpe_vocab_size, valid_fraction, test_
             raise ValueError("text corpus: carving valid/test leaves train empty")
     train_bytes = sum(sp.size for sp in spans["train"])
     where = "text train split"
-    if tokenizer == "bytes":
-        vocab: Vocab = ByteVocab()
+    if hf_vocab is not None:
+        vocab: Vocab = hf_vocab
+    elif tokenizer == "bytes":
+        vocab = ByteVocab()
     elif tokenizer == "chars":
         chunks = _progress(_read_spans(spans["train"], 1 << 24), train_bytes, "text characters",
                            progress)
@@ -346,11 +354,13 @@ def open_corpus(name: str, data_dir: str | Path, *, download: bool = False,
                 files: dict[str, list[str]] | None = None,
                 valid_fraction: float = 0.05, test_fraction: float = 0.05,
                 progress: bool = True, heldout_bytes: int | None = None,
-                xl_compat: bool = True) -> Corpus:
+                xl_compat: bool = True, tokenizer_revision: str = "") -> Corpus:
     """Open benchmark `name` in `data_dir` (see the module docstring for layouts and splits).
 
     tokenizer: enwik8/text8 "symbols" (default) or "bytes"; wt103/wt2/ptb "words"; text
-    "bytes" (default), "chars" or "bpe" (trained on train with `bpe_vocab_size`).
+    "bytes" (default), "chars" or "bpe" (trained on train with `bpe_vocab_size`); text and
+    wt103/wt2/ptb also "hf:<checkpoint dir or hub name>", a pretrained model's own tokenizer
+    (at `tokenizer_revision`; hf_tokenizer.py).
     heldout_bytes: enwik8/text8 size of valid and of test (default 5,000,000).
     xl_compat: Transformer-XL's enwik8/text8 symbol streams (module docstring).
     Relative globs in `files` are taken relative to `data_dir`.
@@ -358,16 +368,21 @@ def open_corpus(name: str, data_dir: str | Path, *, download: bool = False,
     if name not in CORPORA:
         raise ValueError(f"unknown corpus {name!r}; known corpora: {', '.join(CORPORA)}")
     tokenizer = tokenizer or TOKENIZERS[name][0]
-    if tokenizer not in TOKENIZERS[name]:
+    checkpoint = hf_name(tokenizer)
+    if (tokenizer if checkpoint is None else "hf") not in TOKENIZERS[name]:
+        known = (t.replace("hf", "hf:<checkpoint>") for t in TOKENIZERS[name])
         raise ValueError(f"{name}: unknown tokenizer {tokenizer!r}; choose from "
-                         f"{', '.join(TOKENIZERS[name])}")
+                         f"{', '.join(known)}")
     if name != "text" and files:
         raise ValueError(f"files= is for the 'text' corpus; {name} has fixed files")
+    if tokenizer_revision and checkpoint is None:
+        raise ValueError("a tokenizer revision is for --tokenizer hf:<checkpoint>")
+    hf_vocab = None if checkpoint is None else HFVocab.load(checkpoint, tokenizer_revision)
     data_dir = Path(data_dir)
     if name in ("enwik8", "text8"):
         return _open_char_benchmark(name, data_dir, download, tokenizer, heldout_bytes,
                                     xl_compat, progress)
     if name in ("wt103", "wt2", "ptb"):
-        return _open_word_benchmark(name, data_dir, download, progress)
+        return _open_word_benchmark(name, data_dir, download, progress, hf_vocab)
     return _open_text(data_dir, files, tokenizer, bpe_vocab_size, valid_fraction, test_fraction,
-                      progress)
+                      progress, hf_vocab)

@@ -2,7 +2,14 @@
 
     memtrain prepare --corpus enwik8 --data-dir data/raw --out data/enwik8 [--download]
     memtrain prepare --corpus text --train 'books/*.txt' --tokenizer bpe --out data/books
+    memtrain prepare --corpus text --train 'books/*.txt' --tokenizer hf:ckpt/gpt2 --out data/b
     memtrain tasks copy --src-len 24 --n-segments 3 --out data/copy24
+    memtrain tasks copy --src-len 24 --tokenizer hf:ckpt/gpt2 --out data/copy24-gpt2
+
+`--tokenizer hf:<checkpoint directory or hub name>` writes the ids of a pretrained model's own
+tokenizer, which the manifest names and fingerprints (data_pipeline/hf_tokenizer.py); a run
+with `model.backbone: hf` trains only on data of its checkpoint's tokenizer
+(docs/pretrained_data_notes.md).
 
 Relative --train/--valid/--test files and globs are found from the working directory (or
 from --data-dir when it is given). An error prints one line and exits with code 2 (a bad
@@ -50,25 +57,31 @@ def prepare_corpus(args) -> Manifest:
     data_dir = args.data_dir or ("." if args.corpus == "text" else DEFAULT_DATA_DIR)
     corpus = open_corpus(args.corpus, data_dir, download=args.download,
                          tokenizer=args.tokenizer, bpe_vocab_size=args.bpe_vocab_size,
-                         files=files, progress=not args.quiet)
+                         files=files, progress=not args.quiet,
+                         # a Namespace built in code (benchmarks/bench_data.py) may lack it
+                         tokenizer_revision=getattr(args, "tokenizer_revision", ""))
     out = _out_dir(args.out)
     vocab = corpus.vocab
     dtype = id_dtype(vocab.size)
-    splits = {}
+    splits, top = {}, [-1]
     for split in corpus.splits:
         start, raw = time.perf_counter(), corpus.raw_size(split)
         with tqdm(total=None, unit="tok", unit_scale=True, desc=f"{args.corpus}/{split}",
                   disable=args.quiet) as bar:
-            info = _write_tokens(out, split, corpus.iter_tokens(split), dtype,
+            info = _write_tokens(out, split, _tracked(corpus.iter_tokens(split), top), dtype,
                                  args.chunk_tokens, args.chunks_per_shard, progress=bar.update)
         info.raw_bytes = raw
         secs = time.perf_counter() - start
         print(f"{split}: {info.n_tokens} tokens in {len(info.shards)} shards, "
               f"{raw / 1e6 / max(secs, 1e-9):.1f} MB/s")
         splits[split] = info
+    # A pretrained tokenizer's size need not be the model's embedding rows: the trainer
+    # checks the largest id (hf_tokenizer.py, "Size").
+    extra = {"max_id": top[0]} if vocab.kind == "hf" else {}
     manifest = Manifest(kind="tokens", source=corpus.name, vocab=vocab.to_dict(),
                         vocab_fingerprint=vocab.fingerprint(), vocab_size=vocab.size,
-                        dtype=str(dtype), chunk_tokens=args.chunk_tokens, splits=splits)
+                        dtype=str(dtype), chunk_tokens=args.chunk_tokens, splits=splits,
+                        extra=extra)
     path = write_manifest(out, manifest)
     manifest.location = str(out)
     if args.verify:
@@ -78,9 +91,42 @@ def prepare_corpus(args) -> Manifest:
     return manifest
 
 
+def _tracked(pieces, top: list[int]):
+    """The id arrays of `pieces`, unchanged; top[0] becomes the largest id seen."""
+    for ids in pieces:
+        if ids.size:
+            top[0] = max(top[0], int(ids.max()))
+        yield ids
+
+
+def _task_vocab(args, spec):
+    """(vocab description, fingerprint, size, id table or None) of a task's data: the task's
+    own ids, or with --tokenizer hf:... each symbol as the model's token of its character."""
+    from .hf_tokenizer import HFVocab, hf_name
+    from .tasks import symbol_chars
+    from .vocab import fingerprint
+
+    tokenizer, revision = getattr(args, "tokenizer", None), getattr(args, "tokenizer_revision", "")
+    checkpoint = hf_name(tokenizer)
+    if tokenizer and checkpoint is None:
+        raise ValueError(f"--tokenizer {tokenizer!r}: a task has its own ids, or a "
+                         "pretrained model's tokens with --tokenizer hf:<checkpoint>")
+    if checkpoint is None:
+        if revision:
+            raise ValueError("--tokenizer-revision is for --tokenizer hf:<checkpoint>")
+        vocab = {"kind": "task", "task": spec.name, "size": spec.vocab_size,
+                 "pad_id": spec.pad_id}
+        return vocab, fingerprint(vocab), spec.vocab_size, None
+    hf = HFVocab.load(checkpoint, revision)
+    chars = symbol_chars(spec)
+    table = hf.single_token_ids(chars)
+    vocab = {**hf.to_dict(), "task": spec.name, "pad_id": int(table[spec.pad_id]),
+             "task_symbols": {c: int(i) for c, i in zip(chars, table, strict=True)}}
+    return vocab, hf.fingerprint(), hf.size, table
+
+
 def prepare_task(args) -> Manifest:
     from .tasks import DEFAULT_SPLIT_SIZES, generate, make_task, split_seed
-    from .vocab import fingerprint
 
     params = {}
     for kv in args.param:
@@ -92,23 +138,26 @@ def prepare_task(args) -> Manifest:
         except ValueError:
             raise ValueError(f"--param {kv!r}: write KEY=INT, e.g. --param n_pairs=4") from None
     spec = make_task(args.name, src_len=args.src_len, n_segments=args.n_segments, **params)
+    vocab, vocab_fp, size, table = _task_vocab(args, spec)
     out = _out_dir(args.out)
     sizes = {"train": args.train_size, "valid": args.valid_size, "test": args.test_size}
     splits = {}
     for split, n in sizes.items():
         n = DEFAULT_SPLIT_SIZES[split] if n is None else n
         data = generate(spec, n, split_seed(args.seed, split))
-        splits[split] = write_episode_split(out, split, data.tokens.astype(
-            id_dtype(spec.vocab_size)), data.loss_mask, data.answer_mask,
-            args.samples_per_shard)
+        tokens = data.tokens if table is None else table[data.tokens]
+        splits[split] = write_episode_split(out, split, tokens.astype(id_dtype(size)),
+                                            data.loss_mask, data.answer_mask,
+                                            args.samples_per_shard)
         print(f"{split}: {n} samples of {spec.seq_len} positions ({spec.n_segments} x "
               f"{spec.segment_len})")
-    vocab = {"kind": "task", "task": spec.name, "size": spec.vocab_size, "pad_id": spec.pad_id}
     extra = {"task": spec.name, "params": spec.params, "seq_len": spec.seq_len,
              "n_segments": spec.n_segments, "seed": args.seed}
+    if table is not None:
+        extra["max_id"] = int(table.max())
     manifest = Manifest(kind="episodes", source=spec.name, vocab=vocab,
-                        vocab_fingerprint=fingerprint(vocab), vocab_size=spec.vocab_size,
-                        dtype=str(id_dtype(spec.vocab_size)), chunk_tokens=spec.seq_len + 1,
+                        vocab_fingerprint=vocab_fp, vocab_size=size,
+                        dtype=str(id_dtype(size)), chunk_tokens=spec.seq_len + 1,
                         splits=splits, extra=extra)
     print(f"wrote {write_manifest(out, manifest)}")
     manifest.location = str(out)
@@ -129,7 +178,11 @@ def main_prepare(argv: list[str] | None = None) -> int:
                    "paths start from (default: the working directory)")
     p.add_argument("--out", required=True, help="folder for the shards and manifest.json")
     p.add_argument("--download", action="store_true", help="fetch a missing benchmark file")
-    p.add_argument("--tokenizer", help="bytes | symbols | chars | bpe (default per corpus)")
+    p.add_argument("--tokenizer", help="bytes | symbols | chars | bpe (default per corpus), "
+                   "or hf:<checkpoint dir or hub name> for a pretrained model's own tokenizer "
+                   "(text, wt103, wt2, ptb)")
+    p.add_argument("--tokenizer-revision", default="",
+                   help="with hf:<hub name>: the branch, tag or commit to load")
     p.add_argument("--bpe-vocab-size", type=int, default=32000)
     p.add_argument("--train", nargs="+", help="text corpus: train files/globs (quote globs)")
     p.add_argument("--valid", nargs="+", help="text corpus: valid files/globs (optional)")
@@ -161,6 +214,11 @@ def main_tasks(argv: list[str] | None = None) -> int:
     p.add_argument("--valid-size", type=int)
     p.add_argument("--test-size", type=int)
     p.add_argument("--samples-per-shard", type=int, default=50_000)
+    p.add_argument("--tokenizer", help="hf:<checkpoint dir or hub name>: write each task "
+                   "symbol as the pretrained model's token of its character (default: the "
+                   "task's own ids)")
+    p.add_argument("--tokenizer-revision", default="",
+                   help="with hf:<hub name>: the branch, tag or commit to load")
     args = p.parse_args(argv)
     try:
         prepare_task(args)

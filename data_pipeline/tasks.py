@@ -321,6 +321,20 @@ def _ar_char(t: int) -> str:
     return {AR_START: ">", AR_PAD: "_"}.get(t, "?")
 
 
+def symbol_chars(spec: TaskSpec) -> list[str]:
+    """The character each task id stands for, ids 0 .. vocab_size-1: render's alphabet, with
+    the start token '>' and the pad '_' in every task (distinct from every other symbol).
+    `memtrain tasks --tokenizer hf:...` writes each id as the model's token of its character
+    (hf_tokenizer.HFVocab.single_token_ids)."""
+    if spec.name in ("copy", "reverse"):
+        return [_copy_char(i) for i in range(COPY_VOCAB)]
+    if spec.name == "associative_retrieval":
+        return [_ar_char(i) for i in range(AR_VOCAB)]
+    if spec.name != "quadratic":
+        raise ValueError(f"unknown task {spec.name!r}")
+    return [{QUAD_START: ">"}.get(i) or _QUAD_CHAR_OF_ID[i] for i in range(QUAD_VOCAB)]
+
+
 def render(spec: TaskSpec, tokens: np.ndarray) -> str:
     """One sample as text. copy/reverse: symbols as their ids 2..9, start '>', pad '_'
     ("3527>35273527"). associative retrieval: keys a..z, values 0..9, start '>' ("a1b2c3d4c>3").
