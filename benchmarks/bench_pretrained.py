@@ -189,7 +189,7 @@ def measure_speed(a, path: str) -> dict:
     runners = {name: Runner(a, path, mode, n, optimizer=True)
                for name, (mode, n) in variants.items()}
     for r in runners.values():
-        r.step()  # warm-up
+        r.step(min(r.n, 2))  # warm-up: the same kernels, Adam's state allocated
     times = interleaved({name: r.step for name, r in runners.items()}, a.rounds,
                         lambda rnd: print(f"  round {rnd + 1}/{a.rounds} done", flush=True))
     base_name = f"base-n{a.base_segments}"
