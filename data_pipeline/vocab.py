@@ -1,6 +1,6 @@
 """Vocabularies: text -> token ids in corpus order, and back.
 
-Four kinds, one interface (`Vocab`):
+Five kinds, one interface (`Vocab`):
 - `ByteVocab`   ids are the raw byte values (256 ids).
 - `SymbolVocab` the distinct bytes (enwik8: 204 once newlines are dropped as Transformer-XL does;
                 text8: 27) or the distinct characters occurring, ids in sorted symbol order.
@@ -9,10 +9,13 @@ Four kinds, one interface (`Vocab`):
                 occurrence) -- the adaptive-softmax cutoffs assume that order (model/adaptive.py;
                 Grave et al. 2016 §3.3 cluster the vocabulary by frequency).
 - `BPEVocab`    byte-level BPE trained with the `tokenizers` library (bpe.py).
+- `HFVocab`     a pretrained checkpoint's own tokenizer, kind "hf" (hf_tokenizer.py).
 
 `to_dict()` is complete (the shard manifest stores it and `vocabs.vocab_from_dict` rebuilds
-the same vocabulary); `fingerprint(d)` hashes a vocabulary description's canonical JSON, and
-`Vocab.fingerprint()` is that of `to_dict()`. `encode_stream` tokenizes a byte stream given in
+the same vocabulary; an "hf" one names the checkpoint to reload its tokenizer from);
+`fingerprint(d)` hashes a vocabulary description's canonical JSON, and `Vocab.fingerprint()`
+is that of `to_dict()`, except for "hf", where it is that of the token map and size alone
+(not where the tokenizer was loaded from). `encode_stream` tokenizes a byte stream given in
 arbitrary chunks and yields exactly what `encode` gives for the whole stream: every kind keeps
 what a chunk boundary would cut (a multi-byte character, a line, a BPE pre-token) for the next
 chunk.
@@ -47,7 +50,8 @@ def dtype_for(size: int) -> np.dtype:
 def fingerprint(vocab: dict) -> str:
     """sha256 of the vocabulary description's canonical JSON (sorted keys, no spaces, ASCII):
     equal for equal dicts whatever their key order. Every manifest's `vocab_fingerprint` is
-    this of its `vocab` (a `Vocab.to_dict()` or a synthetic/task description).
+    this of its `vocab` (a `Vocab.to_dict()` or a synthetic/task description), or for an "hf"
+    vocabulary this of its identity (`hf_tokenizer.identity`).
 
     Manifests keep the fingerprint they were written with and nothing recomputes it when
     loading: streams and checkpoints compare stored fingerprints. So data prepared before
