@@ -16,7 +16,7 @@ from data_pipeline.shards import MANIFEST, Manifest, ShardError, load_manifest
 from data_pipeline.streams import EpisodeStream, LayoutError, TokenStream, rows_of_rank
 from data_pipeline.synthetic import write_repeat_corpus
 from memtrain.command_line import error_line
-from model import ConfigError, build_model
+from model import ConfigError
 
 from . import checkpoint as ckpt
 from .bptt import TrainState, WindowPlan
@@ -34,6 +34,7 @@ from .evaluate import protocol_for
 from .loop import LoopParts, NonFiniteLoss, TrainingLoop
 from .master_weights import scored_weights
 from .precision import check_precision, configure_matmul
+from .pretrained import build_for_engine
 from .resume import restore
 from .run_dir import RUNNING, RunDir, atomic_write_json, atomic_write_text
 from .tracking import Tracker
@@ -176,7 +177,8 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
               f"{run.ds_config}", flush=True)
 
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = build_model(cfg.model)
+    # A pretrained base at ZeRO-3 is loaded partitioned from the start (train/pretrained.py).
+    model = build_for_engine(cfg.model, ds_config, env.is_main)
     engine, schedule = initialize(model, cfg, ds_config)
     if env.rank:
         # Dropout of its own on every other rank (rank 0 keeps the stream it always had):
