@@ -99,6 +99,15 @@ class HFVocab(LineCutVocab):
         self.size = max(len(tokenizer), max(token_map.values(), default=-1) + 1)
         canon = json.dumps(token_map, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
         self.token_map_sha256 = hashlib.sha256(canon.encode("ascii")).hexdigest()
+        # The Rust tokenizer behind a fast transformers tokenizer encodes about 1.5x faster
+        # than the transformers call around it; used only where both agree on the probe.
+        self._backend = None
+        backend = getattr(tokenizer, "backend_tokenizer", None) if tokenizer.is_fast else None
+        if backend is not None:
+            probe = [_PROBE, _ANCHOR + _PROBE]
+            if [e.ids for e in backend.encode_batch_fast(probe, add_special_tokens=False)] \
+                    == self._ids(probe):
+                self._backend = backend
         self._anchor = self._ids([_ANCHOR])[0]
         self._check_pieces()
 
@@ -109,6 +118,9 @@ class HFVocab(LineCutVocab):
         return cls(load_tokenizer(name, revision, gguf_file), where, revision, gguf_file)
 
     def _ids(self, texts: list[str]) -> list[list[int]]:
+        if self._backend is not None:
+            return [e.ids for e in self._backend.encode_batch_fast(texts,
+                                                                   add_special_tokens=False)]
         # verbose=False: a 64k-character piece is longer than model_max_length, which only
         # matters for the model's positions, not for tokenizing a corpus.
         return self.tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]

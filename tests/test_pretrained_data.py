@@ -21,7 +21,7 @@ from data_pipeline.tasks import generate, make_task, render, split_seed
 from model import ConfigError
 
 # 13 letters, the digits, the copy task's '_' and '>', '.', ' ' (as "▁") and the line end,
-# with <unk> and <eos>: 31 tokens next to a 32-row embedding.
+# with <unk> and <eos>: 30 tokens next to a 32-row embedding.
 ALPHABET = list("acdehilmnorst0123456789_>.\n")
 # Three paragraphs (one per split where a test needs files), each starting with a letter: a
 # SentencePiece-style decoder drops the space it reads at the start of a text.
@@ -61,7 +61,7 @@ def byte_bpe_tokenizer(path):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    """The tiny GPT-2 (32 embedding rows) with the 31-token character tokenizer saved next
+    """The tiny GPT-2 (32 embedding rows) with the 30-token character tokenizer saved next
     to it, as `save_pretrained` leaves a real checkpoint."""
     path = tiny_gpt2(tmp_path_factory.mktemp("gpt2") / "ckpt")
     return char_tokenizer(path)
