@@ -108,7 +108,7 @@ def _pack(draw: torch.Tensor) -> torch.Tensor:
     of the RNG time saved), copied into a tensor of torch's allocator so that its memory
     shows where torch's is counted (profilers, benchmarks/bench_memory_plan.py)."""
     if draw.device.type == "cpu":
-        bits = np.packbits(draw.detach().numpy().reshape(-1) != 0)
+        bits = np.packbits(draw.detach().reshape(-1).ne(0).numpy())  # numpy has no bf16
         packed = torch.empty(bits.size, dtype=torch.uint8)
         packed.numpy()[:] = bits
         return packed
