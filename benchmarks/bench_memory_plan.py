@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import json
 import math
 import os
 import sys
+import tempfile
 import time
 import warnings
 
@@ -87,6 +89,57 @@ def _data_ptr(t: torch.Tensor) -> int | None:
         return None
 
 
+def _build(cfg: ModelConfig, precision: str, device: str = "cpu") -> torch.nn.Module:
+    """The model in training mode; a pretrained backbone with random weights made from its
+    checkpoint's config alone (the directory holds nothing else)."""
+    if cfg.backbone != "hf":
+        return build_model(cfg).to(device, DTYPES[precision]).train()
+    from transformers import AutoModelForCausalLM
+
+    from model.pretrained.checkpoint_config import hf_config
+    with torch.device(device):
+        base = AutoModelForCausalLM.from_config(
+            hf_config(cfg.hf), attn_implementation=cfg.hf.attn_implementation)
+        base.config.use_cache = False
+        model = build_model(cfg, base=base)
+    return model.to(device, DTYPES[precision]).train()
+
+
+def measure_cuda(cfg: ModelConfig, rows: int, depth: int, checkpoint_segments: bool,
+                 precision: str = "bf16", seed: int = 0) -> dict:
+    """The same window on a GPU: the growth of torch.cuda.max_memory_allocated over the
+    forward and backward, with the memory and the parameter gradients already there."""
+    dev = torch.device("cuda")
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    model = _build(cfg, precision, "cuda")
+    window = {"checkpoint_segments": checkpoint_segments}
+    with torch.no_grad():
+        state = run_window(model, None, [_segment(cfg, rows, gen)], dev).state
+    warm = run_window(model, state, [_segment(cfg, rows, gen) for _ in range(depth + 1)], dev,
+                      **window)
+    warm.loss.backward()
+    state = warm.state
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.zero_()
+    del warm
+    gc.collect()
+    torch.cuda.synchronize()
+    segments = [_segment(cfg, rows, gen) for _ in range(depth + 1)]
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    res = run_window(model, state, segments, dev, **window)
+    res.loss.backward()
+    del res
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del model, state
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"peak": peak}
+
+
 def measure(cfg: ModelConfig, rows: int, depth: int, checkpoint_segments: bool,
             precision: str = "fp32", seed: int = 0, recompute: str = "full",
             keep_last: int = 0, compiled: bool = False) -> dict:
@@ -94,7 +147,7 @@ def measure(cfg: ModelConfig, rows: int, depth: int, checkpoint_segments: bool,
     (compiled: with the decoder stack compiled as `model.compile` does)."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    model = build_model(cfg).to(DTYPES[precision]).train()
+    model = _build(cfg, precision)
     if compiled:
         # A fresh compile cache per row: every model's core shares its code, so graphs of
         # earlier rows would be reused (or count against torch.compile's graph limit).
@@ -116,7 +169,8 @@ def measure(cfg: ModelConfig, rows: int, depth: int, checkpoint_segments: bool,
     warm.loss.backward()
     state = warm.state
     for p in model.parameters():
-        p.grad.zero_()
+        if p.grad is not None:   # a frozen parameter has none
+            p.grad.zero_()
     del warm
     gc.collect()
 
@@ -146,8 +200,9 @@ def measure(cfg: ModelConfig, rows: int, depth: int, checkpoint_segments: bool,
 
 
 def predict(cfg: ModelConfig, rows: int, depth: int, checkpoint_segments: bool,
-            precision: str = "fp32", recompute: str = "full", keep_last: int = 0) -> dict:
-    dims = Dims(cfg, rows, cfg.mem_len, precision, kernel="cpu")
+            precision: str = "fp32", recompute: str = "full", keep_last: int = 0,
+            kernel: str = "cpu") -> dict:
+    dims = Dims(cfg, rows, cfg.mem_len, precision, kernel=kernel)
     w = window_memory(dims, count_params(cfg), depth + 1, checkpoint_segments, recompute,
                       keep_last)
     return {"saved": w.saved, "peak": w.peak}
@@ -217,7 +272,69 @@ CASES += [
     ("lamemo M=64 k=2 masks+ffn-out", _small(mechanism="lamemo", dropatt=0.1), 4, 2, True,
      "fp32", {"recompute": "save-masks+ffn-out"}),
 ]
+
+
+def hf_checkpoint(family: str, **shape) -> str:
+    """A directory holding only the config.json of a `family` ("llama" or "gpt2") model of
+    `shape` (config fields); the rows build random weights from it (`_build`)."""
+    from transformers import GPT2Config, LlamaConfig
+    name = family + "-" + "-".join(f"{k}{v}" for k, v in sorted(shape.items()))
+    path = os.path.join(tempfile.gettempdir(), "memtrain-bench-hf", name)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        config = LlamaConfig if family == "llama" else GPT2Config
+        config(bos_token_id=0, eos_token_id=0, **shape).save_pretrained(path)
+    return path
+
+
+def hf_model(family: str, m: int, tgt_len: int, finetune: str = "full", shape=None,
+             checkpoint_layers: bool = False, **hf) -> dict:
+    """A run config's `model:` section around a random checkpoint (module docstring)."""
+    shape = shape or (HF_LLAMA if family == "llama" else HF_GPT2)
+    return {"mechanism": "rmt", "backbone": "hf", "tgt_len": tgt_len, "mem_len": 0,
+            "rmt": {"num_mem_tokens": m}, "checkpoint_layers": checkpoint_layers,
+            "hf": {"path": hf_checkpoint(family, **shape), "finetune": finetune, **hf}}
+
+
+# Pretrained backbones (`backbone: hf`, model/pretrained/shapes.py): a Llama-shaped decoder
+# (RMSNorm, RoPE, 4 query heads over 2 KV heads, SwiGLU) and a GPT-2-shaped one (LayerNorm,
+# fused qkv, Python tanh GELU, dropout 0.1 after c_proj, the MLP and the embeddings; SDPA's
+# attention dropout 0, since the CPU's flash kernel takes none), random weights, 16 memory
+# tokens around 64-token segments, full / frozen / LoRA fine-tuning. The model is built
+# when the row runs (a callable config).
+HF_LLAMA = dict(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+HF_GPT2 = dict(vocab_size=512, n_embd=128, n_layer=4, n_head=4, n_positions=256,
+               resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.0)
+CASES += [
+    (f"hf {fam} {mode} m=16 k={k}{' ckpt-seg' if ckpt else ''}",
+     functools.partial(hf_model, fam, 16, 64, mode), 4, k, ckpt, "fp32")
+    for fam in ("llama", "gpt2") for mode, k, ckpt in (
+        ("full", 0, False), ("full", 2, False), ("frozen", 2, False), ("lora", 2, False),
+        ("lora", 3, True))]
+CASES += [("hf llama lora m=16 k=1 bf16", functools.partial(hf_model, "llama", 16, 64, "lora"),
+           4, 1, False, "bf16"),
+          ("hf llama frozen m=16 k=1 ckpt-layers",
+           functools.partial(hf_model, "llama", 16, 64, "frozen", checkpoint_layers=True), 4,
+           1, False, "fp32")]
 QUICK = ("xl M=64 k=0", "lamemo M=64 k=0", "rmt m=16 k=0")
+# --cuda: the planner's GPU kernels (SDPA's memory-efficient kernel with the mask as a bias,
+# 1-byte dropout masks, fp32 norm statistics) against torch.cuda's allocator, bf16, on
+# Llama-2-7B-shaped layers (2 of its 32) with a 1,024-token segment and GPT-2-small-shaped
+# ones with every dropout on.
+LLAMA7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+               num_hidden_layers=2, num_attention_heads=32, num_key_value_heads=32,
+               max_position_embeddings=4096)
+GPT2S = dict(vocab_size=50257, n_embd=768, n_layer=2, n_head=12, n_positions=1024,
+             resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+CUDA_CASES = [
+    (f"cuda llama-7b-shape {mode} k={k}{' ckpt-seg' if ckpt else ''}",
+     functools.partial(hf_model, "llama", 16, 1024, mode, shape=LLAMA7B), 1, k, ckpt, "bf16")
+    for mode, k, ckpt in (("frozen", 0, False), ("frozen", 2, False), ("lora", 2, False),
+                          ("full", 1, False), ("lora", 3, True))]
+CUDA_CASES += [
+    (f"cuda gpt2-small-shape {mode} k={k}",
+     functools.partial(hf_model, "gpt2", 16, 512, mode, shape=GPT2S), 2, k, False, "bf16")
+    for mode, k in (("full", 1), ("frozen", 2))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,7 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help="only the rows whose label contains this text")
     ap.add_argument("--compile", action="store_true",
                     help="also measure each row's peak with the decoder stack compiled")
+    ap.add_argument("--cuda", action="store_true",
+                    help="the GPU rows (pretrained backbones in bf16) on the GPU instead")
     args = ap.parse_args(argv)
+    if args.cuda:
+        return main_cuda(args)
     torch.set_num_threads(1)
     rows_out = []
     print(f"{'config':<28} {'pred saved MB':>13} {'meas saved MB':>13} {'err':>7} "
@@ -238,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         if (args.quick and label not in QUICK) or (args.only and args.only not in label):
             continue
         window = window[0] if window else {}
-        cfg = ModelConfig(**kw)
+        cfg = ModelConfig(**(kw() if callable(kw) else kw))
         t0 = time.process_time()
         got = measure(cfg, rows, depth, ckpt, prec, **window)
         want = predict(cfg, rows, depth, ckpt, prec, **window)
@@ -275,6 +396,35 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"date": datetime.date.today().isoformat(),
                        "torch": torch.__version__, "rows": rows_out}, f, indent=2)
+    return 0
+
+
+def main_cuda(args) -> int:
+    """--cuda: peak allocation growth of one window on the GPU against the plan's CUDA
+    kernel assumptions; says which SDPA kernel ran a masked bf16 call."""
+    q = torch.randn(1, 32, 1056, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    mask = torch.ones(1, 1, 1056, 1056, dtype=torch.bool, device="cuda").tril()
+    out = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: a masked bf16 SDPA "
+          f"call runs {type(out.grad_fn).__name__}", flush=True)
+    del q, out
+    rows_out = []
+    for label, kw, rows, depth, ckpt, prec in CUDA_CASES:
+        if args.only and args.only not in label:
+            continue
+        cfg = ModelConfig(**kw())
+        got = measure_cuda(cfg, rows, depth, ckpt, prec)
+        want = predict(cfg, rows, depth, ckpt, prec, kernel="cuda")
+        err = (want["peak"] - got["peak"]) / got["peak"]
+        rows_out.append({"config": label, "rows": rows, "depth": depth,
+                         "checkpoint_segments": ckpt, "precision": prec,
+                         "pred_peak": want["peak"], "meas_peak": got["peak"], "err_peak": err})
+        print(f"{label:<44} pred {want['peak'] / 2**20:>10.1f} MiB  meas "
+              f"{got['peak'] / 2**20:>10.1f} MiB  {100 * err:+6.1f}%", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+                       "device": torch.cuda.get_device_name(), "rows": rows_out}, f, indent=2)
     return 0
 
 

@@ -8,6 +8,13 @@ backward, and the state it carries to the next segment. The GPU-memory planner (
 turns these into bytes and never asks which mechanism it plans; `model.lm.core_class` is
 the registry that picks the class for `ModelConfig.mechanism`.
 
+A layer whose code is not ours (a pretrained Hugging Face decoder, model/pretrained/shapes.py)
+is stated tensor by tensor instead (`StatedLayer`): the tensors each stretch of its forward
+saves for backward, what its backward allocates while it runs, the trained parameters it
+uses, and its `scaled_dot_product_attention` calls, whose kernel-dependent tensors the
+planner counts; the segment's embedding and head likewise (`SegmentShapes.embedding`,
+`head`).
+
 Row counts of attention calls and layers are per batch row (the planner multiplies by the
 batch); `TensorShape.shape` is a whole tensor, batch included. For Transformer-XL (§3.3):
 one call per layer with Q = L queries, K = M + L keys and D = M + L distances.
@@ -41,15 +48,23 @@ class AttentionShape:
 @dataclass(frozen=True)
 class TensorShape:
     """A tensor (or `count` of them, e.g. one per layer), batch dim included. dtype:
-    "model" (the model's dtype), "fp32", or "cast": a model-dtype copy of an fp32 tensor,
-    which does not exist when the model runs in fp32."""
+    "model" (the model's dtype), "fp32", "int64", "bool", "cast": a model-dtype copy of an
+    fp32 tensor, which does not exist when the model runs in fp32; and two whose bytes
+    depend on the kernel (`kernel` "cuda" or "cpu"): "mask", a dropout's saved mask (CUDA's
+    fused dropout keeps 1-byte masks, the CPU the noise in the model dtype), and "stat",
+    LayerNorm's saved mean or rstd (fp32 on CUDA, the model dtype on the CPU).
+    `category`: what it is, for the planner's breakdown (stated layers only)."""
 
     shape: tuple[int, ...]
     dtype: str = "model"
     count: int = 1
+    category: str = "extra"
 
-    def nbytes(self, model_bytes: int) -> int:
-        per = {"model": model_bytes, "fp32": 4, "cast": model_bytes if model_bytes != 4 else 0}
+    def nbytes(self, model_bytes: int, kernel: str = "cuda") -> int:
+        per = {"model": model_bytes, "fp32": 4, "int64": 8, "bool": 1,
+               "cast": model_bytes if model_bytes != 4 else 0,
+               "mask": 1 if kernel == "cuda" else model_bytes,
+               "stat": 4 if kernel == "cuda" else model_bytes}
         return self.count * math.prod(self.shape) * per[self.dtype]
 
 
@@ -68,8 +83,48 @@ class LayerShape:
 
 
 @dataclass(frozen=True)
+class SdpaShape:
+    """One `torch.nn.functional.scaled_dot_product_attention` call with a [1, 1, Q, K] boolean
+    mask, per batch row: its q, k and v are stated by the caller (saved tensors of its
+    block); the planner adds what the kernel keeps (its output, log-sum-exp, the mask in the
+    model dtype) and allocates in backward, which depend on the device."""
+
+    queries: int
+    keys: int
+    heads: int                  # query heads (keys and values repeated to as many)
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class StatedBlock:
+    """A stretch of a stated layer's forward (see the module docstring): `saved` the tensors
+    autograd keeps for it (each storage once); while its backward runs, `alive` the
+    gradients that stay alive through all of it (the residual stream's) and, besides them,
+    `phases`: what each step allocates at once (the largest counts, as does each SDPA
+    call's, which the planner adds); `trained_params` the elements of the trained
+    parameters it uses (their gradients); `attention` its SDPA calls."""
+
+    name: str
+    saved: tuple[TensorShape, ...] = ()
+    alive: tuple[TensorShape, ...] = ()
+    phases: tuple[tuple[TensorShape, ...], ...] = ()
+    trained_params: int = 0
+    attention: tuple[SdpaShape, ...] = ()
+
+
+@dataclass(frozen=True)
+class StatedLayer:
+    """A decoder layer stated block by block, in forward order (the planner walks the
+    backward in reverse)."""
+
+    blocks: tuple[StatedBlock, ...]
+    input_rows: int             # rows of the layer's input (what per-layer checkpointing keeps)
+    input_saved: bool = False   # its first block saves that input itself
+
+
+@dataclass(frozen=True)
 class SegmentShapes:
-    layers: tuple[LayerShape, ...]
+    layers: tuple[LayerShape | StatedLayer, ...]
     distances: int              # rows of Dropout(R), every distance list of the segment
     output_rows: int            # rows of the stack's output (its final dropout)
     state: tuple[TensorShape, ...]   # the state carried to the next segment
@@ -80,6 +135,11 @@ class SegmentShapes:
     aux_targets: int = 0        # per-row targets of an auxiliary softmax loss
     saved_label: str = ""       # what the layers' `saved` tensors are, for a breakdown
     mem_len_adds: str | None = None   # what a mem_len > 0 would add beside the state
+    # Stated instead of counted by the planner's model of the native embedding and softmax
+    # (planner/activations.py): the input side (embedding, memory rows) and the output side
+    # (final norm, vocabulary head, loss) of a stated decoder.
+    embedding: StatedBlock | None = None
+    head: StatedBlock | None = None
 
     def state_bytes(self, model_bytes: int) -> int:
         return sum(t.nbytes(model_bytes) for t in self.state)

@@ -49,7 +49,7 @@ import torch
 from model import ModelConfig, build_model
 from model.attention_kernels import sdpa_head_pad
 from model.lm import core_class
-from model.shapes import LayerShape, SegmentShapes
+from model.shapes import LayerShape, SdpaShape, SegmentShapes, StatedBlock, StatedLayer
 
 
 @dataclass
@@ -104,10 +104,39 @@ class Params:
     ff: int                      # one layer's FFN
     other: int                   # u, v (v-), RMT initial memory and memory LayerNorm
     largest_module: int          # the largest single tensor (ZeRO-3 gathers it whole)
+    # What trains (None: everything): gradients, optimizer state and the autograd engine's
+    # gradient buffers are counted for these only. A pretrained base may be frozen or
+    # adapted (`model.hf.finetune`).
+    trained: int | None = None
+    # Elements of a trained weight shared by the input embedding and the output head (None:
+    # the native rule, `ModelConfig.tie_weight`).
+    tied: int | None = None
+
+    @property
+    def trained_total(self) -> int:
+        return self.total if self.trained is None else self.trained
+
+    @property
+    def frozen(self) -> int:
+        return self.total - self.trained_total
+
+
+def shape_class(cfg: ModelConfig):
+    """What states a segment's shapes and parameter counts: the mechanism's class
+    (`model.lm.core_class`) for the native stack, model/pretrained/shapes.py for a
+    pretrained backbone. The planner asks nothing else of the model."""
+    if cfg.backbone == "hf":
+        from model.pretrained.shapes import PretrainedShapes
+        return PretrainedShapes
+    return core_class(cfg)
 
 
 def count_params(cfg: ModelConfig) -> Params:
     """Exact parameter counts of the model, built on the meta device (no memory)."""
+    counts = getattr(shape_class(cfg), "parameter_counts", None)
+    if counts is not None:   # a model that counts its own (model/pretrained/shapes.py)
+        c = counts(cfg)
+        return Params(c.total, 0, 0, 0, 0, 0, c.largest, trained=c.trained, tied=c.tied)
     with torch.device("meta"):
         model = build_model(ModelConfig.from_dict(cfg.to_dict()))
     emb_ids = {id(p) for p in model.embedding.parameters()}
@@ -224,10 +253,47 @@ def _attention_blocks(dm: Dims, params: int, q_rows: int, kv_rows: int, q: int, 
     return [pos, blk]
 
 
-def _layer_blocks(dm: Dims, p: Params, layer: LayerShape, first_in_window: bool
+def _sdpa(blk: Block, dm: Dims, a: SdpaShape) -> float:
+    """What torch's scaled_dot_product_attention keeps besides q, k and v (stated by its
+    caller) for a call with a [1, 1, Q, K] boolean mask; returns what its backward
+    allocates (the output's gradient, then q's, k's and v's).
+    On a GPU the mask rules out the flash kernel and the memory-efficient one runs: it keeps
+    its output [B, Q, H, dh] (which W_o reads: `transpose(1, 2).contiguous()` copies
+    nothing), an fp32 log-sum-exp [B, H, Q padded to 32] and the mask converted to a bias
+    in the model dtype, K padded to 16 (head dims not a multiple of 8: padded q, k, v
+    copies). On the CPU the flash kernel for CPU: output, fp32 log-sum-exp [B, H, Q], the
+    mask in the model dtype."""
+    b, s, h, dh, q, k = dm.rows, dm.s, a.heads, a.head_dim, a.queries, a.keys
+    blk.add("qkv", b * q * h * dh * s)                                   # output
+    if dm.kernel == "cuda":
+        pad = sdpa_head_pad(dh, "cuda")
+        if pad:
+            blk.add("qkv", b * h * (q + 2 * k) * (dh + pad) * s)
+        blk.add("scores", b * h * (-(-q // 32) * 32) * 4 + q * (-(-k // 16) * 16) * s)
+    else:
+        blk.add("scores", b * h * q * 4 + q * k * s)
+    return b * h * (2 * q + 2 * k) * dh * s
+
+
+def _stated_block(dm: Dims, sb: StatedBlock) -> Block:
+    """A block stated tensor by tensor (model/shapes.py `StatedBlock`): its backward holds
+    the `alive` gradients and the largest of its phases and SDPA calls."""
+    nbytes = lambda ts: sum(t.nbytes(dm.s, dm.kernel) for t in ts)  # noqa: E731
+    blk = Block(sb.name, params=sb.trained_params * dm.s)
+    for t in sb.saved:
+        blk.add(t.category, t.nbytes(dm.s, dm.kernel))
+    phases = [nbytes(ph) for ph in sb.phases] + [_sdpa(blk, dm, a) for a in sb.attention]
+    blk.transient = nbytes(sb.alive) + max(phases, default=0.0)
+    return blk
+
+
+def _layer_blocks(dm: Dims, p: Params, layer: LayerShape | StatedLayer, first_in_window: bool
                   ) -> list[Block]:
     """A layer's blocks from its shapes (model/shapes.py): each attention call with a graph,
-    what else it saves, then W_o, LayerNorm and the FFN over its out_rows."""
+    what else it saves, then W_o, LayerNorm and the FFN over its out_rows; a stated layer's
+    blocks as stated."""
+    if isinstance(layer, StatedLayer):
+        return [_stated_block(dm, sb) for sb in layer.blocks]
     c = dm.cfg
     b, s = dm.rows, dm.s
     blocks: list[Block] = []
@@ -259,6 +325,9 @@ def _embedding(dm: Dims, p: Params) -> Block:
 
 
 def tied_bytes(c: ModelConfig, p: Params) -> int:
+    """Elements of the trained weight the head shares with the embedding."""
+    if p.tied is not None:
+        return p.tied
     return p.embedding if c.tie_weight else 0
 
 
@@ -290,7 +359,7 @@ def _head(dm: Dims, p: Params, rows_out: int, n_rows: int) -> Block:
 
 def shapes(dm: Dims) -> SegmentShapes:
     """The segment's shapes as its mechanism states them (model/shapes.py)."""
-    return core_class(dm.cfg).segment_shapes(dm.cfg, dm.rows, dm.mem_len)
+    return shape_class(dm.cfg).segment_shapes(dm.cfg, dm.rows, dm.mem_len)
 
 
 def segment_blocks(dm: Dims, p: Params, first_in_window: bool = False
@@ -299,6 +368,8 @@ def segment_blocks(dm: Dims, p: Params, first_in_window: bool = False
     c, sh = dm.cfg, shapes(dm)
     b = dm.rows
     layers = [_layer_blocks(dm, p, layer, first_in_window) for layer in sh.layers]
+    if sh.head is not None:      # stated embedding and head
+        return _stated_block(dm, sh.embedding), layers, _stated_block(dm, sh.head)
     head = _head(dm, p, sh.output_rows, b * c.tgt_len)
     if sh.memory_norm_rows:   # a LayerNorm over rows of the output (a view of its storage)
         head.add("layernorm", b * sh.output_rows * c.d_model * dm.s

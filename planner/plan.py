@@ -48,14 +48,25 @@ CATEGORIES = {"scores": "attention scores, probabilities, masks [B,H,Q,K]",
               "ffn": "FFN hidden [B,Q,d_inner] and its masks",
               "layernorm": "LayerNorm inputs and statistics",
               "dropout": "dropout masks (embeddings, sub-layer outputs)",
+              "rotary": "rotary position cos/sin [B,Q,d_head]",
               # "extra": what the mechanism's layers also save (its `saved_label`)
               "head": "softmax head: log-probabilities, weight copy, targets"}
 SEARCH_CAP = 1 << 20     # depth and mem_len searches stop here
 
 
 def model_states(psi: int, stage: int, precision: str, n_d: int,
-                 grad_fp32: bool = False) -> list[tuple[str, float]]:
-    """(label, bytes per GPU) of parameters, gradients and optimizer state (module doc).
+                 grad_fp32: bool = False, frozen: int = 0) -> list[tuple[str, float]]:
+    """(label, bytes per GPU) of parameters, gradients and optimizer state (module doc) of
+    the psi parameters that train, and of `frozen` ones that do not (a pretrained base
+    under `model.hf.finetune` frozen or lora).
+
+    Frozen parameters are held in the model dtype only: no gradient, no fp32 master, no
+    optimizer state (train/engine.py `build_optimizer` gives DeepSpeed only the parameters
+    that train, and its ZeRO optimizers build their flat fp32 partitions from those groups
+    alone). ZeRO-1/2 leave them whole on every rank (the engine casts the whole module to
+    bf16/fp16); ZeRO-3 partitions every parameter of the module, frozen ones too
+    (deepspeed/runtime/zero/parameter_offload.py `_convert_to_zero_parameters`), so they
+    cost 2 B / N_d.
 
     grad_fp32 (bf16/fp16 with `deepspeed.grad_dtype: fp32`, train/precision.py): DeepSpeed
     sums the gradients in fp32 buffers. At stage 1 beside the half-precision gradients, whole
@@ -71,10 +82,16 @@ def model_states(psi: int, stage: int, precision: str, n_d: int,
     part = lambda b, from_stage: b * psi / (n_d if stage >= from_stage else 1)  # noqa: E731
     kind = "bf16/fp16" if half else "fp32"
     opt = "fp32 master + Adam m, v" if half or stage >= 1 else "Adam m, v"
-    return [(f"{kind} parameters ({p_b} B/param{', /N_d' if stage >= 3 else ''})",
-             part(p_b, 3)),
-            (f"{kind} gradients ({g_b} B/param{', /N_d' if stage >= 2 else ''})", part(g_b, 2)),
-            (f"{opt} ({opt_b} B/param{', /N_d' if stage >= 1 else ''})", part(opt_b, 1))]
+    n_3 = ', /N_d' if stage >= 3 else ''
+    trained = " trained" if frozen else ""
+    states = [(f"{kind}{trained} parameters ({p_b} B/param{n_3})", part(p_b, 3)),
+              (f"{kind} gradients ({g_b} B/param{', /N_d' if stage >= 2 else ''})",
+               part(g_b, 2)),
+              (f"{opt} ({opt_b} B/param{', /N_d' if stage >= 1 else ''})", part(opt_b, 1))]
+    if frozen:
+        states.append((f"{kind} frozen parameters ({p_b} B/param{n_3})",
+                       p_b * frozen / (n_d if stage >= 3 else 1)))
+    return states
 
 
 def zero_buffers(ds: dict, precision: str, params: Params) -> float:
@@ -179,8 +196,9 @@ def setup_for(cfg: RunConfig, gpu_mib: float, nodes: int, per_node: int,
     params = count_params(cfg.model)
     stage, prec = zero_stage(ds), cfg.deepspeed.precision
     static = [(f"model states, ZeRO-{stage}: {label}", v)
-              for label, v in model_states(params.total, stage, prec, world,
-                                           grad_fp32=cfg.deepspeed.grad_dtype == "fp32")]
+              for label, v in model_states(params.trained_total, stage, prec, world,
+                                           grad_fp32=cfg.deepspeed.grad_dtype == "fp32",
+                                           frozen=params.frozen)]
     extra = ", prefetch, gathered tensor" if stage == 3 else ""
     static.append((f"ZeRO-{stage} buffers (reduce bucket{extra})", zero_buffers(ds, prec, params)))
     episodes = task_episodes(cfg, notes)
@@ -232,8 +250,11 @@ def report(setup: Setup, gpu: str, nodes: int, per_node: int) -> tuple[str, bool
     k, mem = b.depth, m.mem_len
     seg, lay = b.checkpoint_segments, m.checkpoint_layers
     carried, w = _window(setup, k, mem, seg, lay)
-    lines = [f"memtrain plan: {c.name}, {m.mechanism} {m.n_layer} x {m.d_model}, "
-             f"{setup.params.total:,} parameters",
+    trained = (f" ({setup.params.trained_total:,} trained, model.hf.finetune "
+               f"{m.hf.finetune})" if setup.params.frozen else "")
+    what = f"{m.hf.path} + RMT" if m.backbone == "hf" else m.mechanism
+    lines = [f"memtrain plan: {c.name}, {what} {m.n_layer} x {m.d_model}, "
+             f"{setup.params.total:,} parameters{trained}",
              f"  {nodes} x {per_node} {gpu} = {setup.world} ranks, {_gib(setup.gpu_bytes).strip()}"
              f" GiB each; {c.deepspeed.precision}; rows per rank {setup.rows} x "
              f"{m.tgt_len} tokens; mem_len {mem}; bptt.depth {k} ({b.mode}"
@@ -248,6 +269,8 @@ def report(setup: Setup, gpu: str, nodes: int, per_node: int) -> tuple[str, bool
                  f"{_gib(w.peak)}")
     saved_label = shapes(Dims(m, setup.rows, mem)).saved_label
     for cat, v in sorted(w.per_segment.items(), key=lambda kv: -kv[1]):
+        if not v:
+            continue
         lines.append(f"      {'one segment: ' + CATEGORIES.get(cat, saved_label):<66}{_gib(v)}")
     lines.append(f"      {'softmax head backward (log-prob and [V, d] weight gradients)':<66}"
                  f"{_gib(w.head_transient)}")
@@ -280,6 +303,11 @@ def report(setup: Setup, gpu: str, nodes: int, per_node: int) -> tuple[str, bool
         lo = 0
     except ConfigError:   # this config's mem_len must be > 0
         lo = 1
+    try:
+        m.check_lengths(max(lo, 1), m.clamp_len, m.same_length)
+    except ConfigError as err:   # no mem_len > 0 (a pretrained backbone keeps no XL cache)
+        lines.append(f"  largest model.mem_len: not applicable ({err})")
+        return "\n".join(lines), fits
     fit_m = largest(lambda x: total_bytes(setup, k, x, seg, lay) <= setup.gpu_bytes, lo)
     adds = shapes(Dims(m, setup.rows, mem)).mem_len_adds
     label = f"largest model.mem_len ({adds})" if adds else "largest model.mem_len"

@@ -108,7 +108,7 @@ def window_memory(dm: Dims, p: Params, n_segments: int, checkpoint_segments: boo
             peak = max(peak, live + buffers + blk.transient)
             live -= blk.saved
             if multi:        # every parameter is used again in an earlier segment
-                buffers = min(buffers + blk.params, p.total * dm.s)
+                buffers = min(buffers + blk.params, p.trained_total * dm.s)
             elif blk.name == "head":   # the tied weight is used again by the embedding
                 buffers += tied_bytes(c, p) * dm.s
     return WindowMemory(saved, peak, cats, last[-1].transient)

@@ -1,0 +1,354 @@
+"""One training segment of a pretrained decoder with memory tokens, stated tensor by tensor
+for the GPU-memory planner (model/shapes.py `StatedLayer`; planner/ turns it into bytes).
+
+PretrainedMemoryLM (wrapper.py) runs the base model's own decoder over Q = 2m + L rows
+[read | tokens | write] (Bulatov et al. 2022, §3) with a [1, 1, Q, Q] boolean mask, then the
+vocabulary head over the L token rows and an fp32 cross-entropy. What autograd keeps was
+read off the transformers modules (5.24) and checked by listing the saved tensors of a
+tiny model (benchmarks/bench_memory_plan.py measures them); B rows, d, H query heads of
+d_head, intermediate size I, vocabulary V:
+
+- Llama family (llama, mistral, qwen2): RMSNorm upcasts its input to fp32 and keeps that
+  copy (in an fp32 model: the input itself) and the fp32 rsqrt [B, Q, 1], and the
+  normalised rows when its gain trains; q/k/v's input; RoPE's cos and sin [B, Q, d_head]
+  (computed once per segment); the rotated q and k and v, keys and values repeated to H
+  heads when grouped-query attention has fewer (a copy); SwiGLU keeps the gate's output,
+  the SiLU's output and up's output [B, Q, I], and down's input when down trains.
+- GPT-2: LayerNorm keeps its input, mean and rstd; c_attn's output [B, Q, 3d] (q, k, v are
+  views of it); the tanh-approximated GELU written out in Python keeps four [B, Q, 4d]
+  tensors (its input, tanh, 0.5·x, 1 + tanh); dropout masks after c_proj, the MLP and the
+  embeddings when the config's dropout is on.
+- A linear layer keeps its input only when its weight trains: a frozen base keeps no
+  projection inputs, and LoRA (Hu et al. 2021, peft) keeps the adapter's input (the
+  layer's input itself without lora_dropout; with it the dropped copy and its mask) and
+  lora_A's output [B, Q, r].
+- Embedding: the token ids when the embedding trains (GPT-2: the position ids too); the
+  head: the final norm, lm_head's input [B, L, d] when lm_head trains, the fp32
+  log-softmax [B·L, V] of the cross-entropy (wrapper.py upcasts the logits), the targets.
+- SDPA (one call per layer, keys = queries = Q): the planner adds what the kernel keeps
+  (its output, which o_proj reads as its input, the log-sum-exp, the mask in the model
+  dtype), since that depends on the device.
+The state: the write rows' copy [B, m, d].
+
+Which parameters train is read from the model itself, built on the meta device from the
+checkpoint's config (no weights): the same `apply_finetune` (full, frozen, LoRA on peft's
+or the configured targets) that training runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from dataclasses import dataclass
+
+from ..shapes import SdpaShape, SegmentShapes, StatedBlock, StatedLayer, TensorShape
+from ..typed import ConfigError
+from .checkpoint_config import hf_config, position_kind
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where the parts of one decoder layer are, as module names inside the layer."""
+
+    norm: str                      # "rms" (fp32 upcast) or "layer" (LayerNorm)
+    attn_norm: str
+    qkv: tuple[str, ...]           # projections reading the normalised layer input
+    out: str
+    ffn_norm: str
+    ffn_in: tuple[str, ...]        # gate and up (gated) or the first matmul
+    ffn_out: str
+    gated: bool                    # act(gate(x)) * up(x) (SwiGLU), or act(fc(x))
+    layers: str                    # the base model's list of decoder layers
+    act_field: str                 # the config field naming the activation
+    final_norm: str                # module names inside the base model
+    embeddings: tuple[str, ...]
+    dropouts: tuple[str, str]      # config fields: residual dropout, embedding dropout
+
+
+LLAMA = Layout("rms", "input_layernorm", ("self_attn.q_proj", "self_attn.k_proj",
+                                          "self_attn.v_proj"), "self_attn.o_proj",
+               "post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj",
+               gated=True, layers="layers", act_field="hidden_act", final_norm="norm",
+               embeddings=("embed_tokens",), dropouts=("", ""))
+GPT2 = Layout("layer", "ln_1", ("attn.c_attn",), "attn.c_proj", "ln_2", ("mlp.c_fc",),
+              "mlp.c_proj", gated=False, layers="h", act_field="activation_function",
+              final_norm="ln_f", embeddings=("wte", "wpe"), dropouts=("resid_pdrop", "embd_pdrop"))
+LAYOUTS = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "gpt2": GPT2}
+# [B, Q, I] tensors an activation keeps: its input (SiLU, exact and tanh GELU kernels), or
+# the four of transformers' Python tanh GELU (module docstring).
+ACTIVATION_SAVES = {"silu": 1, "swish": 1, "gelu": 1, "gelu_pytorch_tanh": 1, "relu": 1,
+                    "gelu_new": 4}
+
+
+@dataclass(frozen=True)
+class Linear:
+    """What one (possibly adapted) linear layer of the meta model says about training."""
+
+    trains: bool           # its own weight gets a gradient
+    lora_r: int = 0        # LoRA rank (0: no adapter)
+    lora_dropout: float = 0.0
+
+    @property
+    def keeps_input(self) -> bool:   # its input tensor itself is saved
+        return self.trains or (self.lora_r > 0 and self.lora_dropout == 0)
+
+
+@dataclass(frozen=True)
+class Base:
+    """The meta model's facts the shapes need (read once per checkpoint and finetune mode)."""
+
+    model_type: str
+    kv_heads: int
+    activation: str
+    dropout: float         # residual dropout (GPT-2), 0 when the family has none
+    embd_dropout: float
+    rotary: bool
+    linears: dict          # layer-relative module name -> Linear
+    norm_trains: dict      # layer-relative norm name (and the final norm) -> bool
+    embedding_trains: tuple[bool, ...]   # per `Layout.embeddings`
+    head: Linear
+    tied: bool             # lm_head's weight is the input embedding's
+    trained: dict          # block name -> trained parameter elements it uses
+    total: int             # all parameters (the memory's included)
+    trained_total: int
+    largest: int           # the largest single tensor
+    positions: int         # rows of a learned position table (0: none)
+
+
+def layout(hf) -> Layout:
+    lay = LAYOUTS.get(hf.model_type)
+    if lay is None:
+        raise ConfigError("model.hf.path", f"`memtrain plan` has no segment shapes for "
+                          f"{hf.model_type!r} (model/pretrained/shapes.py); planned "
+                          f"architectures: {', '.join(sorted(LAYOUTS))}")
+    act = getattr(hf, lay.act_field)
+    if act not in ACTIVATION_SAVES:
+        raise ConfigError("model.hf.path", f"`memtrain plan` does not count the activation "
+                          f"{act!r} ({lay.act_field}); counted: {', '.join(ACTIVATION_SAVES)}")
+    return lay
+
+
+def _linear(module) -> Linear:
+    base = getattr(module, "base_layer", module)
+    lora = getattr(module, "lora_A", None)
+    if not lora:
+        return Linear(base.weight.requires_grad)
+    name = next(iter(lora))
+    drop = module.lora_dropout[name]
+    return Linear(base.weight.requires_grad, module.r[name], float(getattr(drop, "p", 0.0)))
+
+
+def _trained(module, prefixes) -> int:
+    return sum(p.numel() for n, p in module.named_parameters()
+               if p.requires_grad and n.startswith(prefixes))
+
+
+@functools.lru_cache(maxsize=4)
+def _base(key: str) -> Base:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..config import ModelConfig
+    from .wrapper import PretrainedMemoryLM
+    cfg = ModelConfig.from_dict(json.loads(key))
+    hf = hf_config(cfg.hf)
+    lay = layout(hf)
+    with torch.device("meta"):   # shapes only: no memory, no weights read
+        base = AutoModelForCausalLM.from_config(
+            hf, attn_implementation=cfg.hf.attn_implementation)
+        lm = PretrainedMemoryLM(cfg, base=base, memory_scale=1.0)
+    top = base.base_model
+    layer = getattr(top, lay.layers)[0]
+    names = (*lay.qkv, lay.out, *lay.ffn_in, lay.ffn_out)
+    norm = lambda mod: all(p.requires_grad for p in mod.parameters())  # noqa: E731
+    params = list(lm.parameters())
+    head = base.get_output_embeddings()
+    return Base(
+        model_type=hf.model_type,
+        kv_heads=getattr(hf, "num_key_value_heads", None) or cfg.n_head,
+        activation=getattr(hf, lay.act_field),
+        dropout=float(getattr(hf, lay.dropouts[0], 0.0) or 0.0) if lay.dropouts[0] else 0.0,
+        embd_dropout=float(getattr(hf, lay.dropouts[1], 0.0) or 0.0) if lay.dropouts[1]
+        else 0.0,
+        rotary=position_kind(hf) == "rotary",
+        linears={n: _linear(layer.get_submodule(n)) for n in names},
+        norm_trains={lay.attn_norm: norm(layer.get_submodule(lay.attn_norm)),
+                     lay.ffn_norm: norm(layer.get_submodule(lay.ffn_norm)),
+                     "final": norm(top.get_submodule(lay.final_norm))},
+        embedding_trains=tuple(top.get_submodule(e).weight.requires_grad
+                               for e in lay.embeddings),
+        head=_linear(head),
+        tied=head.weight is base.get_input_embeddings().weight,
+        trained={"attention": _trained(layer, (lay.attn_norm, *lay.qkv)),
+                 "attention-out": _trained(layer, (lay.out,)),
+                 "ffn": _trained(layer, (lay.ffn_norm, *lay.ffn_in)),
+                 "ffn-out": _trained(layer, (lay.ffn_out,)),
+                 "embedding": _trained(top, lay.embeddings) + _trained(lm, ("memory_init",)),
+                 "head": _trained(top, (lay.final_norm,))
+                 + (0 if head.weight is base.get_input_embeddings().weight
+                    else _trained(head, ("",)))},
+        total=sum(p.numel() for p in params),
+        trained_total=sum(p.numel() for p in params if p.requires_grad),
+        largest=max(p.numel() for p in params),
+        positions=getattr(hf, "n_positions", 0) if lay is GPT2 else 0)
+
+
+def base_facts(cfg) -> Base:
+    """The meta model's facts for `cfg` (a ModelConfig with `backbone: hf`); independent of
+    the segment length, so one build serves every length the planner tries."""
+    key = {"mechanism": "rmt", "backbone": "hf", "mem_len": 0, "tgt_len": 1,
+           "rmt": {"num_mem_tokens": cfg.rmt.num_mem_tokens},
+           "hf": dataclasses.asdict(cfg.hf)}
+    return _base(json.dumps(key, sort_keys=True))
+
+
+def _norm(lay: Layout, rows: int, q: int, d: int, trains: bool) -> list[TensorShape]:
+    """What a norm over [rows, q, d] keeps (module docstring)."""
+    if lay.norm == "rms":
+        out = [TensorShape((rows, q, d), "fp32", category="layernorm"),
+               TensorShape((rows, q, 1), "fp32", category="layernorm")]
+        return out + ([TensorShape((rows, q, d), category="layernorm")] if trains else [])
+    return [TensorShape((rows, q, d), category="layernorm"),
+            TensorShape((rows, q, 1), "stat", 2, category="layernorm")]
+
+
+def _norm_backward(lay: Layout, rows: int, q: int, d: int) -> tuple[TensorShape, ...]:
+    """A norm's backward: the gradient reaching it, and RMSNorm's three fp32 [rows, q, d]
+    (it differentiates in fp32: the gain's product, x·rsqrt, x²) or LayerNorm's input
+    gradient."""
+    g = TensorShape((rows, q, d))
+    return (g, TensorShape((rows, q, d), "fp32", 3)) if lay.norm == "rms" else (g, g)
+
+
+def _inputs(linears: list[Linear], rows: int, q: int, width: int, category: str,
+            input_counted: bool = False) -> list[TensorShape]:
+    """What linear layers reading one input of `width` keep: that input once, if any of them
+    keeps it (and it is not `input_counted` elsewhere); each adapter's dropped copy and mask
+    (lora_dropout > 0) and lora_A's output."""
+    out = []
+    if any(x.keeps_input for x in linears) and not input_counted:
+        out.append(TensorShape((rows, q, width), category=category))
+    for x in linears:
+        if x.lora_r and x.lora_dropout > 0:
+            out += [TensorShape((rows, q, width), "mask", category="dropout"),
+                    TensorShape((rows, q, width), category=category)]
+        if x.lora_r:
+            out.append(TensorShape((rows, q, x.lora_r), category=category))
+    return out
+
+
+def _weights(linears: list[Linear], fan_in: int, fan_out: int) -> list[TensorShape]:
+    """The weight gradients a backward allocates (before adding them to `.grad`)."""
+    return [TensorShape((fan_in, fan_out)) for x in linears if x.trains]
+
+
+def _dropout(p: float, shape: tuple[int, ...]) -> list[TensorShape]:
+    return [TensorShape(shape, "mask", category="dropout")] if p > 0 else []
+
+
+def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
+    """One training segment of `rows` batch rows (module docstring); mem_len is always 0
+    (a pretrained backbone keeps no XL cache). The backward phases were read off the
+    allocator's events of each backward node (benchmarks/bench_memory_plan.py)."""
+    f = base_facts(cfg)
+    lay = LAYOUTS[f.model_type]
+    b, m, n = rows, cfg.rmt.num_mem_tokens, cfg.tgt_len
+    q, d, h, dh, inner = 2 * m + n, cfg.d_model, cfg.n_head, cfg.d_head, cfg.d_inner
+    vocab, lin, t = cfg.vocab_size, f.linears, TensorShape
+    g, gi = t((b, q, d)), t((b, q, inner))      # a gradient of the residual stream / the FFN
+    qkv, ffn_in = [lin[x] for x in lay.qkv], [lin[x] for x in lay.ffn_in]
+    attention = StatedBlock(
+        "attention",
+        saved=(*_norm(lay, b, q, d, f.norm_trains[lay.attn_norm]),
+               *_inputs(qkv, b, q, d, "qkv"),
+               t((b, h, q, dh), count=3, category="qkv")),       # q, k, v as SDPA reads them
+        alive=(g,),
+        phases=((t((b, q, 3 * h * dh)), g, *_weights(qkv, d, h * dh)),   # the projections
+                _norm_backward(lay, b, q, d)),
+        trained_params=f.trained["attention"],
+        attention=(SdpaShape(q, q, h, dh),))
+    # o_proj reads SDPA's output (counted with the call): only an adapter adds to it.
+    attention_out = StatedBlock(
+        "attention-out",
+        saved=(*_inputs([lin[lay.out]], b, q, h * dh, "qkv", input_counted=True),
+               *_dropout(f.dropout, (b, q, d))),
+        alive=(g,), phases=((g, g, *_weights([lin[lay.out]], h * dh, d)),),
+        trained_params=f.trained["attention-out"])
+    # The activation's backward beside the gradient reaching it: two more [B, Q, I] (the
+    # product's two operand gradients; the Python GELU's products), one for a single op.
+    acts, act_grads = ACTIVATION_SAVES[f.activation], 3
+    if lay.gated:
+        acts += 2                                                # SiLU(gate), up
+    elif ACTIVATION_SAVES[f.activation] == 1:
+        act_grads = 2
+    ffn = StatedBlock(
+        "ffn",
+        saved=(*_norm(lay, b, q, d, f.norm_trains[lay.ffn_norm]),
+               *_inputs(ffn_in, b, q, d, "ffn"),
+               t((b, q, inner), count=acts, category="ffn")),
+        alive=(g,),
+        phases=((t((b, q, inner), count=act_grads),),
+                (gi, g, *_weights(ffn_in, d, inner)),
+                _norm_backward(lay, b, q, d)),
+        trained_params=f.trained["ffn"])
+    ffn_out = StatedBlock(
+        "ffn-out",
+        saved=(*_inputs([lin[lay.ffn_out]], b, q, inner, "ffn"),
+               *_dropout(f.dropout, (b, q, d))),
+        alive=(g,), phases=((gi, *_weights([lin[lay.ffn_out]], inner, d)),),
+        trained_params=f.trained["ffn-out"])
+    layer = StatedLayer((attention, attention_out, ffn, ffn_out), input_rows=q)
+    ids = [t((b, n), "int64", category="head")] if f.embedding_trains[0] else []
+    tables = [t((vocab, d))] if f.embedding_trains[0] else []    # the dense [V, d] gradient
+    if len(f.embedding_trains) > 1 and f.embedding_trains[1]:      # GPT-2's position table
+        ids.append(t((1, q), "int64", category="head"))
+        tables.append(t((f.positions, d)))
+    embedding = StatedBlock(
+        "embedding",
+        saved=(*ids, *([t((b, 1, 1), "bool")] if m else []),     # where(fresh, init, memory)
+               *_dropout(f.embd_dropout, (b, q, d)),
+               *([t((b, q, dh), count=2, category="rotary")] if f.rotary else [])),
+        alive=(g,), phases=(tuple(tables),),
+        trained_params=f.trained["embedding"])
+    nv = b * n
+    head = StatedBlock(
+        "head",
+        saved=(*_norm(lay, b, q, d, f.norm_trains["final"]),
+               *_inputs([f.head], b, n, d, "head"),
+               t((nv, vocab), "fp32", category="head"),  # log-softmax
+               t((nv,), "int64", category="head"), t((b, n), "bool", category="head")),
+        # the NLL's and the log-softmax's fp32 gradients; lm_head's backward: the logits'
+        # gradient, its input's and its weight's; the final norm's
+        phases=((t((nv, vocab), "fp32", 2),),
+                (t((nv, vocab)), t((nv, d)), *_weights([f.head], vocab, d)),
+                (g, *_norm_backward(lay, b, q, d))),
+        trained_params=f.trained["head"])
+    return SegmentShapes((layer,) * cfg.n_layer, distances=0, output_rows=q,
+                         state=(t((b, m, d)),), state_text=f"RMT memory [{b}, {m}, {d}]",
+                         embedding=embedding, head=head,
+                         saved_label="the memory rows' fresh flags (torch.where)")
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    total: int             # every parameter, the memory's included (tied weights once)
+    trained: int           # what `model.hf.finetune` trains (wrapper.py trained_parameter_names)
+    tied: int              # elements of a trained weight the head shares with the embedding
+    largest: int           # the largest single tensor
+
+
+class PretrainedShapes:
+    """What the planner asks of a pretrained backbone, as it asks a native mechanism's class
+    (`model.lm.core_class`): a segment's shapes, and the parameter counts, which the planner
+    cannot read off the native layout."""
+
+    @classmethod
+    def segment_shapes(cls, cfg, rows: int, mem_len: int) -> SegmentShapes:
+        return segment_shapes(cfg, rows, mem_len)
+
+    @classmethod
+    def parameter_counts(cls, cfg) -> ParameterCounts:
+        f = base_facts(cfg)
+        tied = cfg.vocab_size * cfg.d_model if f.tied and f.embedding_trains[0] else 0
+        return ParameterCounts(f.total, f.trained_total, tied, f.largest)
