@@ -338,8 +338,11 @@ def main_plan(argv: list[str] | None = None) -> int:
         return invalid_config("memtrain plan", err)
     mib = GPUS[args.gpu] if args.gpu else args.gpu_memory_gb * 1024
     gpu = args.gpu or f"{args.gpu_memory_gb:g}-GiB GPU"
-    setup = setup_for(cfg, mib, args.nodes, args.gpus_per_node, args.margin_gb)
-    text, fits = report(setup, gpu, args.nodes, args.gpus_per_node)
+    try:   # a pretrained backbone's shapes are read when it is planned
+        setup = setup_for(cfg, mib, args.nodes, args.gpus_per_node, args.margin_gb)
+        text, fits = report(setup, gpu, args.nodes, args.gpus_per_node)
+    except ConfigError as err:
+        return invalid_config("memtrain plan", err)
     print(text)
     if fits:
         return 0

@@ -1,0 +1,118 @@
+"""`memtrain plan` for a pretrained backbone (`model.backbone: hf`): the segment shapes a
+Llama-family or GPT-2 decoder states (model/pretrained/shapes.py) against one BPTT window
+measured on the CPU (benchmarks/bench_memory_plan.py, the measurement of
+tests/test_memory_plan.py), parameter counts made on the meta device against the built
+model, frozen weights in the ZeRO model states, and the plan of a Llama-2-7B-shaped config
+whose checkpoint directory holds only a config.json.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from pretrained_helpers import hf_model_section, tiny_gpt2, tiny_llama
+
+from model import ModelConfig, build_model
+from planner.activations import count_params
+from planner.plan import main_plan, model_states
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_memory_plan  # noqa: E402
+
+TINY = {"gpt2": tiny_gpt2, "llama": tiny_llama}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {name: make(root / name) for name, make in TINY.items()}
+
+
+def _cfg(checkpoints, arch: str, finetune: str, m: int = 4, tgt_len: int = 8) -> ModelConfig:
+    return ModelConfig.from_dict(hf_model_section(checkpoints[arch], m, tgt_len,
+                                                  finetune=finetune))
+
+
+@pytest.mark.parametrize("arch,finetune,depth,ckpt", [
+    ("llama", "frozen", 2, False), ("llama", "lora", 1, False), ("llama", "full", 1, False),
+    ("gpt2", "full", 2, False), ("gpt2", "lora", 2, True)])
+def test_planned_window_matches_the_memory_measured_on_the_cpu(checkpoints, arch, finetune,
+                                                               depth, ckpt):
+    """One window of depth+1 segments, random weights: the allocator's peak within 3% of the
+    plan (the planner's error on the native stack: -2.5% to +1.7%, BENCHMARKS.md "Memory
+    planner"; its tests allow 15%) and autograd's saved tensors within 0.1%."""
+    cfg = _cfg(checkpoints, arch, finetune)
+    got = bench_memory_plan.measure(cfg, 3, depth, ckpt)
+    want = bench_memory_plan.predict(cfg, 3, depth, ckpt)
+    assert want["peak"] == pytest.approx(got["peak"], rel=0.03)
+    if not ckpt:
+        assert want["saved"] == pytest.approx(got["saved"], rel=0.001)
+
+
+@pytest.mark.parametrize("finetune", ["full", "frozen", "lora"])
+def test_parameter_counts_on_the_meta_device_are_the_built_models(checkpoints, finetune):
+    cfg = _cfg(checkpoints, "gpt2", finetune)
+    model = build_model(cfg)
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    p = count_params(cfg)
+    assert p.total == model.num_params()
+    assert p.trained_total == sum(q.numel() for n, q in model.named_parameters()
+                                  if n in trained)
+    assert set(model.trained_parameter_names()) == trained
+    # GPT-2 ties its head to the token embedding: counted once, and a gradient buffer for
+    # it only when that weight trains.
+    assert p.tied == (32 * 64 if finetune == "full" else 0)
+
+
+@pytest.mark.parametrize("stage,frozen_bytes", [(1, 2 * 1_000_000), (2, 2 * 1_000_000),
+                                                (3, 2 * 1_000_000 / 8)])
+def test_frozen_weights_are_held_in_the_model_dtype_only(stage, frozen_bytes):
+    """DeepSpeed keeps no gradient, master copy or optimizer state for them; ZeRO-1/2 leave
+    them whole on each rank, ZeRO-3 partitions them with every other parameter."""
+    with_frozen = model_states(1000, stage, "bf16", 8, frozen=1_000_000)
+    trained_only = model_states(1000, stage, "bf16", 8)
+    assert [v for _, v in with_frozen[:3]] == [v for _, v in trained_only]
+    assert len(with_frozen) == 4 and with_frozen[3][1] == pytest.approx(frozen_bytes)
+
+
+def _largest(out: str, checkpointed: bool) -> int:
+    flag = "true" if checkpointed else "false"
+    return int(re.search(rf"largest bptt.depth that fits, checkpoint_segments {flag}: (\d+)",
+                         out).group(1))
+
+
+def test_the_llama2_7b_shape_is_planned_from_its_config_alone(capsys, monkeypatch):
+    """configs/llama2-7b-shape holds only a config.json; LoRA keeps its adapters' inputs
+    besides what a frozen base keeps, so it fits no deeper."""
+    monkeypatch.chdir(ROOT)
+    assert sorted(p.name for p in (ROOT / "configs/llama2-7b-shape").iterdir()) == \
+        ["config.json"]
+    args = ["--config", "llama2-7b-rmt", "--gpu", "a100-80gb", "--nodes", "4",
+            "--gpus-per-node", "8"]
+    assert main_plan(args) == 0
+    lora = capsys.readouterr().out
+    assert main_plan(args + ["model.hf.finetune=frozen"]) == 0
+    frozen = capsys.readouterr().out
+    assert "6,742,675,456 parameters (4,259,840 trained" in lora
+    assert "6,738,481,152 parameters (65,536 trained" in frozen
+    assert "ZeRO-3: bf16/fp16 frozen parameters (2 B/param, /N_d)" in frozen
+    assert "RMT memory [1, 16, 4096]" in frozen
+    assert "largest model.mem_len: not applicable" in frozen
+    assert 0 < _largest(lora, False) <= _largest(frozen, False)
+    assert _largest(frozen, False) < _largest(frozen, True)
+
+
+def test_an_architecture_without_stated_shapes_is_refused_by_name(tmp_path, capsys):
+    from transformers import GPTNeoXConfig
+    GPTNeoXConfig(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=128).save_pretrained(tmp_path)
+    code = main_plan(["--config", str(ROOT / "configs/llama2-7b-rmt.yaml"), "--gpu",
+                      "a100-80gb", f"model.hf.path={tmp_path}", "model.tgt_len=8"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "model.hf.path" in err and "'gpt_neox'" in err
