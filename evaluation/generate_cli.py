@@ -9,6 +9,11 @@ vocabulary of the run's data manifest (`--data` for an exported file). Sampling 
 model.generate.stream_generate: the memory advances once per segment exactly as in training
 and evaluation, so any length costs O(length) and the model sees the context it was scored
 with. Tokens print as they are sampled.
+
+A pretrained backbone (`model.backbone: hf`) may have more output rows than the data has ids
+(an embedding padded past its tokenizer, or a small task alphabet): the data's ids must fit
+the model, and sampling draws from the data's ids only (the others never occurred in
+training and the vocabulary cannot print them).
 """
 
 from __future__ import annotations
@@ -69,14 +74,40 @@ def load_for_generation(path: Path, data: str | None):
     vocab = None
     if data_path:
         manifest = load_manifest(data_path)
-        if manifest.vocab_size != model.cfg.vocab_size:
+        # Training accepts data whose ids fit the model (train/trainer.py); a native model
+        # has exactly the data's vocabulary, a pretrained one its checkpoint's.
+        if manifest.vocab_size > model.cfg.vocab_size or (
+                model.cfg.backbone != "hf" and manifest.vocab_size != model.cfg.vocab_size):
             raise ConfigError("model.vocab_size", f"the model has {model.cfg.vocab_size} "
                               f"ids but the data at {data_path} has {manifest.vocab_size}")
+        if manifest.vocab_size < model.cfg.vocab_size:
+            model = DataIds(model, manifest.vocab_size)
         try:
             vocab = vocab_from_dict(manifest.vocab)
         except (ValueError, KeyError):
             vocab = None  # e.g. a synthetic stream: ids only
     return model, vocab
+
+
+class DataIds(torch.nn.Module):
+    """`model` sampling only ids below `n_ids`: the others get probability 0 (every other
+    call passes through unchanged)."""
+
+    def __init__(self, model, n_ids: int):
+        super().__init__()
+        self.model, self.n_ids, self.cfg = model, n_ids, model.cfg
+
+    def initial_state(self, batch_size: int, device=None):
+        return self.model.initial_state(batch_size, device)
+
+    def set_lengths(self, **lengths) -> None:
+        self.model.set_lengths(**lengths)
+
+    def forward(self, tokens, state=None, **kwargs):
+        out = self.model(tokens, state, **kwargs)
+        if out.log_probs is not None:
+            out.log_probs[..., self.n_ids:] = float("-inf")
+        return out
 
 
 class StreamingDecoder:
