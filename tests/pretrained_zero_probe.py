@@ -9,6 +9,7 @@ rank 0, with every rank's numbers:
               after deepspeed.initialize (a ZeRO parameter keeps an empty `data`)
   memory_local  elements of the initial memory (made outside zero.Init) this rank holds
               after deepspeed.initialize; memory_full: its elements
+  dtypes      the dtypes of this rank's partitions after deepspeed.initialize
 """
 
 import json
@@ -35,7 +36,9 @@ unpartitioned = [n for n, p in engine.module.named_parameters()
                  if not hasattr(p, "ds_id") or p.numel() != 0]
 memory_local, memory_full = local_share(engine.module.memory_init)
 mine = {"base_local": base_local, "memory_local": memory_local,
-        "unpartitioned_after": unpartitioned}
+        "unpartitioned_after": unpartitioned,
+        "dtypes": sorted({str(p.ds_tensor.dtype) for p in engine.module.parameters()
+                          if hasattr(p, "ds_tensor")})}
 every = [None] * env.world_size
 dist.all_gather_object(every, mine)
 if env.rank == 0:

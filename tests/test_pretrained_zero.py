@@ -106,10 +106,12 @@ def test_zero3_holds_half_the_base_before_initialize_and_partitions_the_memory_t
     # What the run's line reports, checked from outside the trainer: on each rank, after
     # loading and before deepspeed.initialize, the base is held as partitions, no tensor
     # whole; after it, every parameter is partitioned, the memory (made outside zero.Init)
-    # included, each rank holding half of it.
+    # included, each rank holding half of it. In bf16: zero.Init makes the base's
+    # partitions bf16, and the memory must join them in bf16 (ZeRO-3 flattens one dtype).
     config = hf_run("gpt2", 3)[2]
     cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(ROOT / "tests" / "pretrained_zero_probe.py"), str(config)]
+           str(ROOT / "tests" / "pretrained_zero_probe.py"), str(config),
+           "deepspeed.precision=bf16"]
     done = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -121,3 +123,4 @@ def test_zero3_holds_half_the_base_before_initialize_and_partitions_the_memory_t
     assert probe["unpartitioned_after"] == [[], []]
     assert probe["memory_full"] == 3 * 64
     assert probe["memory_local"] == [3 * 64 // 2] * 2
+    assert probe["dtypes"] == [["torch.bfloat16"]] * 2

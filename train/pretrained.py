@@ -14,7 +14,9 @@ a weak reference to it). The memory parameters of the wrapper are created afterw
 parameter that is not yet a ZeRO parameter).
 
 At ZeRO-0/1/2 every rank holds the whole base anyway (only optimizer state and gradients
-are partitioned), so it is loaded whole, as `build_model` does on its own.
+are partitioned), so it is loaded whole. At every stage the memory is drawn at the std of
+the input embeddings as the run trains them (rounded to bf16 / fp16 in a half-precision
+run, which is what zero.Init's load stores), so every stage starts from the same memory.
 """
 
 from __future__ import annotations
@@ -58,13 +60,27 @@ def zero3_loading(ds_config: dict):
         del switch
 
 
-def gathered_std(weight: torch.nn.Parameter) -> float:
-    """The std of a ZeRO-3 partitioned parameter, the same on every rank: gathered whole for
-    the measurement (a collective), partitioned again afterwards."""
-    import deepspeed
+def zero_dtype(ds_config: dict) -> torch.dtype:
+    """The dtype ZeRO keeps the module's parameters in (zero.Init reads the same keys)."""
+    if ds_config.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    if ds_config.get("fp16", {}).get("enabled"):
+        return torch.float16
+    return torch.float32
 
-    with deepspeed.zero.GatheredParameters([weight], modifier_rank=None):
-        return float(weight.detach().float().std())
+
+def memory_scale(base, dtype: torch.dtype) -> float:
+    """The std of the base's input embeddings as the run trains them (in `dtype`), the
+    same on every rank and at every stage: a ZeRO-3 partitioned embedding is gathered whole
+    for the measurement (a collective) and partitioned again; a whole one in fp32 is
+    rounded to `dtype` first, which is what zero.Init's load stores of it."""
+    weight = base.get_input_embeddings().weight
+    gathered = contextlib.nullcontext()
+    if hasattr(weight, "ds_id"):
+        import deepspeed
+        gathered = deepspeed.zero.GatheredParameters([weight], modifier_rank=None)
+    with gathered:
+        return float(weight.detach().to(dtype).float().std())
 
 
 def local_share(module: torch.nn.Module) -> tuple[int, int]:
@@ -80,22 +96,32 @@ def local_share(module: torch.nn.Module) -> tuple[int, int]:
 
 def build_for_engine(model_cfg: ModelConfig, ds_config: dict,
                      is_main: bool = True) -> SegmentLM:
-    """The model `deepspeed.initialize` gets: the pretrained base loaded partitioned at
-    ZeRO-3 (the memory initialised from the gathered input embeddings, so it draws exactly
-    what the whole base gives at any other stage); otherwise `build_model(model_cfg)`."""
-    if not loads_sharded(model_cfg, ds_config):
+    """The model `deepspeed.initialize` gets. A pretrained base is loaded partitioned at
+    ZeRO-3 (whole otherwise), and its memory drawn at the scale of the embeddings in the
+    training dtype, so every stage starts from the same memory."""
+    if model_cfg.backbone != "hf":
         return build_model(model_cfg)
-    with zero3_loading(ds_config):
+    dtype, sharded = zero_dtype(ds_config), loads_sharded(model_cfg, ds_config)
+    if not sharded:
         base = load_base(model_cfg)
-    local, full = local_share(base)
-    shares = [local]
-    if dist.is_initialized():
-        shares = [None] * dist.get_world_size()
-        dist.all_gather_object(shares, local)
-    if is_main:
-        print(f"memtrain: ZeRO-3 loaded the pretrained base partitioned: elements held per "
-              f"rank {shares} of {full}", flush=True)
-    scale = None
-    if model_cfg.rmt.num_mem_tokens:
-        scale = gathered_std(base.get_input_embeddings().weight)
-    return build_model(model_cfg, base=base, memory_scale=scale)
+    else:
+        with zero3_loading(ds_config):
+            base = load_base(model_cfg)
+        local, full = local_share(base)
+        shares = [local]
+        if dist.is_initialized():
+            shares = [None] * dist.get_world_size()
+            dist.all_gather_object(shares, local)
+        if is_main:
+            print(f"memtrain: ZeRO-3 loaded the pretrained base partitioned: elements held "
+                  f"per rank {shares} of {full}", flush=True)
+    scale = memory_scale(base, dtype) if model_cfg.rmt.num_mem_tokens else None
+    model = build_model(model_cfg, base=base, memory_scale=scale)
+    if sharded:
+        # The memory (and LoRA adapters) were made outside zero.Init, in fp32. DeepSpeed
+        # casts a module to the training dtype only when none of it is partitioned yet
+        # (engine._cast_module_mixed_precision), and ZeRO-3 keeps one dtype per group.
+        for p in model.parameters():
+            if not hasattr(p, "ds_id") and p.is_floating_point():
+                p.data = p.data.to(dtype)
+    return model
