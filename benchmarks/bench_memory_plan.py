@@ -313,6 +313,15 @@ CASES += [
         ("lora", 3, True))]
 CASES += [("hf llama lora m=16 k=1 bf16", functools.partial(hf_model, "llama", 16, 64, "lora"),
            4, 1, False, "bf16"),
+          ("hf llama lora m=16 k=3 save-linear",
+           functools.partial(hf_model, "llama", 16, 64, "lora"), 4, 3, True, "fp32",
+           {"recompute": "save-linear"}),
+          ("hf gpt2 full m=16 k=3 masks+ffn-out:2 last1",
+           functools.partial(hf_model, "gpt2", 16, 64, "full"), 4, 3, True, "fp32",
+           {"recompute": "save-masks+ffn-out:2", "keep_last": 1}),
+          ("hf gpt2 lora m=16 k=3 save-matmul",
+           functools.partial(hf_model, "gpt2", 16, 64, "lora", lora_dropout=0.1), 4, 3, True,
+           "fp32", {"recompute": "save-matmul"}),
           ("hf llama frozen m=16 k=1 ckpt-layers",
            functools.partial(hf_model, "llama", 16, 64, "frozen", checkpoint_layers=True), 4,
            1, False, "fp32")]

@@ -102,7 +102,10 @@ class StatedBlock:
     gradients that stay alive through all of it (the residual stream's) and, besides them,
     `phases`: what each step allocates at once (the largest counts, as does each SDPA
     call's, which the planner adds); `trained_params` the elements of the trained
-    parameters it uses (their gradients); `attention` its SDPA calls."""
+    parameters it uses (their gradients); `attention` its SDPA calls; `ops` the outputs a
+    selective `bptt.recompute` policy can keep (model/recompute.py), by category: "linear"
+    (an mm / addmm output), "ffn-out" (the matmul reducing over d_inner), "bmm" (kept with
+    the attention matmuls), "draws" (a dropout's random draws, one bool per element)."""
 
     name: str
     saved: tuple[TensorShape, ...] = ()
@@ -110,6 +113,7 @@ class StatedBlock:
     phases: tuple[tuple[TensorShape, ...], ...] = ()
     trained_params: int = 0
     attention: tuple[SdpaShape, ...] = ()
+    ops: tuple[TensorShape, ...] = ()
 
 
 @dataclass(frozen=True)

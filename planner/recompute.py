@@ -17,7 +17,8 @@ outputs of the ops its policy matches, and with save-masks dropout's draws as bi
   replay: it keeps nothing there (and saves no time).
 Rows as in activations.py: a full memory, each layer's attention calls and W_o/FFN rows as
 the mechanism states them (model/shapes.py; e.g. RMT Q = 2m + L, K = M + Q, D = Q + K − 1).
-A call that runs without a graph (LaMemo's top look-ahead) still has its ops matched.
+A call that runs without a graph (LaMemo's top look-ahead) still has its ops matched. A
+pretrained decoder lists its own matmul outputs and draws (model/pretrained/shapes.py).
 Validated on the CPU by benchmarks/bench_memory_plan.py (the rows with a policy).
 """
 
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 
 from model.attention_kernels import sdpa_head_pad
 from model.recompute import parse_policy
+from model.shapes import SegmentShapes
 
 from .activations import Dims, head_cluster_rows, shapes
 
@@ -81,8 +83,34 @@ def _head(ops: SegmentOps, dm: Dims, n_rows: int) -> None:
         ops.linear += rows * width * s + (rows * dims[i] * s if projected else 0)
 
 
+def _stated_ops(dm: Dims, sh: SegmentShapes) -> SegmentOps:
+    """The ops a stated segment lists (model/shapes.py `StatedBlock.ops`), and each SDPA
+    call's outputs: the kernel's output and fp32 log-sum-exp (the CPU's flash kernel: [B,
+    H, Q]; the GPU's memory-efficient one: Q padded to 32)."""
+    ops = SegmentOps()
+    blocks = [sh.embedding, *(blk for layer in sh.layers for blk in layer.blocks), sh.head]
+    for blk in blocks:
+        for t in blk.ops:
+            nbytes = t.nbytes(dm.s, dm.kernel)
+            if t.category == "ffn-out":
+                ops.ffn_out.append(nbytes)
+            elif t.category == "draws":
+                ops.draws += nbytes
+            elif t.category == "bmm":
+                ops.attention += nbytes
+            else:
+                ops.linear += nbytes
+        for a in blk.attention:
+            lse = -(-a.queries // 32) * 32 if dm.kernel == "cuda" else a.queries
+            ops.attention += dm.rows * a.heads * (a.queries * a.head_dim * dm.s + lse * 4)
+    return ops
+
+
 def segment_ops(dm: Dims) -> SegmentOps:
     """The matmul outputs and dropout draws of one training segment with a full memory."""
+    sh = shapes(dm)
+    if sh.head is not None:     # a stated segment (a pretrained decoder)
+        return _stated_ops(dm, sh)
     c = dm.cfg
     b, n, d, s = dm.rows, c.tgt_len, c.d_model, dm.s
     ops = SegmentOps()
@@ -90,7 +118,6 @@ def segment_ops(dm: Dims) -> SegmentOps:
     if c.div_val > 1:                      # adaptive input: every row, every cluster
         ops.linear += n_clusters * b * n * d * s
     ops.draws += b * n * d                 # Dropout(embedding)
-    sh = shapes(dm)
     ops.draws += sh.distances * d          # Dropout(R): every distance list
     for layer in sh.layers:
         first = layer.attention[0]

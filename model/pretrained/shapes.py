@@ -247,6 +247,26 @@ def _dropout(p: float, shape: tuple[int, ...]) -> list[TensorShape]:
     return [TensorShape(shape, "mask", category="dropout")] if p > 0 else []
 
 
+def _draws(p: float, shape: tuple[int, ...]) -> list[TensorShape]:
+    return [TensorShape(shape, "bool", category="draws")] if p > 0 else []
+
+
+def _matmuls(linears: list[Linear], widths: list[int], rows: int, q: int, fan_in: int,
+             inner: int) -> list[TensorShape]:
+    """The mm / addmm outputs of linear layers of `fan_in` inputs and `widths` outputs, with
+    their adapters' (lora_A, lora_B) and lora_dropout's draws, for model/recompute.py: a
+    matmul reducing over d_inner (`inner`) is its "ffn-out"."""
+    kind = lambda k: "ffn-out" if k == inner else "linear"  # noqa: E731
+    out = []
+    for x, w in zip(linears, widths, strict=True):
+        out.append(TensorShape((rows, q, w), category=kind(fan_in)))
+        if x.lora_r:
+            out += [TensorShape((rows, q, x.lora_r), category=kind(fan_in)),
+                    TensorShape((rows, q, w), category=kind(x.lora_r)),
+                    *_draws(x.lora_dropout, (rows, q, fan_in))]
+    return out
+
+
 def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
     """One training segment of `rows` batch rows (module docstring); mem_len is always 0
     (a pretrained backbone keeps no XL cache). The backward phases were read off the
@@ -258,6 +278,9 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
     vocab, lin, t = cfg.vocab_size, f.linears, TensorShape
     g, gi = t((b, q, d)), t((b, q, inner))      # a gradient of the residual stream / the FFN
     qkv, ffn_in = [lin[x] for x in lay.qkv], [lin[x] for x in lay.ffn_in]
+    kv = f.kv_heads * dh
+    qkv_widths = [h * dh, kv, kv] if len(qkv) == 3 else [h * dh + 2 * kv]
+    mm = lambda xs, widths, fan_in: _matmuls(xs, widths, b, q, fan_in, inner)  # noqa: E731
     attention = StatedBlock(
         "attention",
         saved=(*_norm(lay, b, q, d, f.norm_trains[lay.attn_norm]),
@@ -267,14 +290,15 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
         phases=((t((b, q, 3 * h * dh)), g, *_weights(qkv, d, h * dh)),   # the projections
                 _norm_backward(lay, b, q, d)),
         trained_params=f.trained["attention"],
-        attention=(SdpaShape(q, q, h, dh),))
+        attention=(SdpaShape(q, q, h, dh),), ops=tuple(mm(qkv, qkv_widths, d)))
     # o_proj reads SDPA's output (counted with the call): only an adapter adds to it.
     attention_out = StatedBlock(
         "attention-out",
         saved=(*_inputs([lin[lay.out]], b, q, h * dh, "qkv", input_counted=True),
                *_dropout(f.dropout, (b, q, d))),
         alive=(g,), phases=((g, g, *_weights([lin[lay.out]], h * dh, d)),),
-        trained_params=f.trained["attention-out"])
+        trained_params=f.trained["attention-out"],
+        ops=(*mm([lin[lay.out]], [d], h * dh), *_draws(f.dropout, (b, q, d))))
     # The activation's backward beside the gradient reaching it: two more [B, Q, I] (the
     # product's two operand gradients; the Python GELU's products), one for a single op.
     acts, act_grads = ACTIVATION_SAVES[f.activation], 3
@@ -291,13 +315,14 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
         phases=((t((b, q, inner), count=act_grads),),
                 (gi, g, *_weights(ffn_in, d, inner)),
                 _norm_backward(lay, b, q, d)),
-        trained_params=f.trained["ffn"])
+        trained_params=f.trained["ffn"], ops=tuple(mm(ffn_in, [inner] * len(ffn_in), d)))
     ffn_out = StatedBlock(
         "ffn-out",
         saved=(*_inputs([lin[lay.ffn_out]], b, q, inner, "ffn"),
                *_dropout(f.dropout, (b, q, d))),
         alive=(g,), phases=((gi, *_weights([lin[lay.ffn_out]], inner, d)),),
-        trained_params=f.trained["ffn-out"])
+        trained_params=f.trained["ffn-out"],
+        ops=(*mm([lin[lay.ffn_out]], [d], inner), *_draws(f.dropout, (b, q, d))))
     layer = StatedLayer((attention, attention_out, ffn, ffn_out), input_rows=q)
     ids = [t((b, n), "int64", category="head")] if f.embedding_trains[0] else []
     tables = [t((vocab, d))] if f.embedding_trains[0] else []    # the dense [V, d] gradient
@@ -310,7 +335,7 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
                *_dropout(f.embd_dropout, (b, q, d)),
                *([t((b, q, dh), count=2, category="rotary")] if f.rotary else [])),
         alive=(g,), phases=(tuple(tables),),
-        trained_params=f.trained["embedding"])
+        trained_params=f.trained["embedding"], ops=tuple(_draws(f.embd_dropout, (b, q, d))))
     nv = b * n
     head = StatedBlock(
         "head",
@@ -323,7 +348,10 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
         phases=((t((nv, vocab), "fp32", 2),),
                 (t((nv, vocab)), t((nv, d)), *_weights([f.head], vocab, d)),
                 (g, *_norm_backward(lay, b, q, d))),
-        trained_params=f.trained["head"])
+        trained_params=f.trained["head"],
+        # torch.matmul folds the token rows (a strided view when m > 0) into one mm when
+        # the weight trains, else it runs a bmm (an "attention" matmul to the policies)
+        ops=(t((b, n, vocab), category="linear" if f.head.trains or not m else "bmm"),))
     return SegmentShapes((layer,) * cfg.n_layer, distances=0, output_rows=q,
                          state=(t((b, m, d)),), state_text=f"RMT memory [{b}, {m}, {d}]",
                          embedding=embedding, head=head,
