@@ -71,8 +71,7 @@ def sources(tmp_path_factory):
             "copy": copy, "words": make_word_corpus(root / "words", 20_000, 2_000)}
 
 
-def _config(tmp, sources, kind: str, name: str, checkpointed: bool):
-    spec = RUNS[kind]
+def _config(tmp, sources, spec: dict, name: str, checkpointed: bool = False):
     bptt = dict(spec["bptt"], **(spec.get("checkpointed", {}) if checkpointed else {}))
     cfg = {"name": name, "run_dir": str(tmp / "runs" / name), "max_steps": STEPS,
            "log_every": 1, "threads": 1, "seed": 0,
@@ -121,9 +120,9 @@ def runs(sources, tmp_path_factory):
         if kind not in cache:
             tmp = tmp_path_factory.mktemp(kind)
             with pytest.MonkeyPatch.context() as mp:
-                whole = _config(tmp, sources, kind, "whole", checkpointed=False)
+                whole = _config(tmp, sources, RUNS[kind], "whole")
                 seen = _train(whole, mp)
-                stopped = _config(tmp, sources, kind, "stopped", checkpointed=True)
+                stopped = _config(tmp, sources, RUNS[kind], "stopped", checkpointed=True)
                 _train(stopped, mp, stop_at=STOP)
                 at_stop = step_losses(stopped.resolved_run_dir)
                 _train(stopped, mp)
@@ -227,6 +226,22 @@ def test_memtrain_eval_of_an_hf_run_scores_what_its_final_report_did(runs):
         report = run_eval(cfg, None, track=False)
         assert report["loss"] == pytest.approx(final["loss"], abs=1e-6), kind
         assert report["protocol"]["weights"] == final["protocol"]["weights"]
+
+
+def test_a_zero3_lora_run_exports_its_fp32_masters_and_evaluates_as_trained(
+        sources, tmp_path, monkeypatch):
+    # ZeRO-3 partitions the trained weights' masters and stores the frozen base apart
+    # ("frozen fragments"); the export reads only the former.
+    spec = dict(RUNS["frozen"], hf={"finetune": "lora", "lora_r": 4},
+                deepspeed={"zero_stage": 3})
+    cfg = _config(tmp_path, sources, spec, "zero3")
+    seen = _train(cfg, monkeypatch)
+    tensors, _ = _exported(cfg)
+    assert sorted(tensors) == sorted(seen["master"]) and "memory_init.value" in tensors
+    for name, master in seen["master"].items():
+        assert torch.equal(tensors[name], master), name
+    final = json.loads((cfg.resolved_run_dir / "eval_report.json").read_text())["main"]
+    assert run_eval(cfg, None, track=False)["loss"] == pytest.approx(final["loss"], abs=1e-6)
 
 
 def test_an_export_missing_or_adding_trained_weights_is_refused_by_name(runs, tmp_path):
