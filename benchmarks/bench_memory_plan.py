@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         return main_cuda(args)
     torch.set_num_threads(1)
     rows_out = []
-    print(f"{'config':<28} {'pred saved MB':>13} {'meas saved MB':>13} {'err':>7} "
+    print(f"{'config':<44} {'pred saved MB':>13} {'meas saved MB':>13} {'err':>7} "
           f"{'pred peak MB':>12} {'meas peak MB':>12} {'err':>7}"
           + (f" {'compiled MB':>12} {'vs eager':>7}" if args.compile else ""), flush=True)
     for label, kw, rows, depth, ckpt, prec, *window in CASES:
@@ -391,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         saved = ("" if hidden else
                  f"{want['saved'] / 1e6:>13.2f} {got['saved'] / 1e6:>13.2f} "
                  f"{100 * r['err_saved']:>+6.1f}%")
-        print(f"{label:<28} {saved:<35} {want['peak'] / 1e6:>12.2f} "
+        print(f"{label:<44} {saved:<35} {want['peak'] / 1e6:>12.2f} "
               f"{got['peak'] / 1e6:>12.2f} {100 * r['err_peak']:>+6.1f}%{compiled}",
               flush=True)
     worst = max(abs(r["err_peak"]) for r in rows_out)

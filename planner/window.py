@@ -85,6 +85,8 @@ def window_memory(dm: Dims, p: Params, n_segments: int, checkpoint_segments: boo
         # then.
         new_state = 0.0
     outputs = dm.rows * c.tgt_len * 5 + 5056                 # nll, mask, the CPU RNG state
+    if dm.kernel == "cuda":   # the segment's token ids, copied to the GPU (the CPU's are
+        outputs += dm.rows * (c.tgt_len + 1) * 8             # the data's own tensors)
     held = [sum(blk.held for blk in seg) for seg in seg_blocks]
     saved = held[0] + (n_segments - 1) * held[-1]
     n_plain = n_segments - n_ckpt

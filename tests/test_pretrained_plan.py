@@ -29,8 +29,15 @@ TINY = {"gpt2": tiny_gpt2, "llama": tiny_llama}
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
+    from transformers import Qwen2Config
     root = tmp_path_factory.mktemp("hf")
-    return {name: make(root / name) for name, make in TINY.items()}
+    paths = {name: make(root / name) for name, make in TINY.items()}
+    # Another of the Llama family (biased q/k/v), as a config alone: the window's weights
+    # are drawn from it (bench_memory_plan `_build`).
+    Qwen2Config(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                bos_token_id=0, eos_token_id=0).save_pretrained(root / "qwen2")
+    return {**paths, "qwen2": root / "qwen2"}
 
 
 def _cfg(checkpoints, arch: str, finetune: str, m: int = 4, tgt_len: int = 8) -> ModelConfig:
@@ -40,7 +47,7 @@ def _cfg(checkpoints, arch: str, finetune: str, m: int = 4, tgt_len: int = 8) ->
 
 @pytest.mark.parametrize("arch,finetune,depth,ckpt", [
     ("llama", "frozen", 2, False), ("llama", "lora", 1, False), ("llama", "full", 1, False),
-    ("gpt2", "full", 2, False), ("gpt2", "lora", 2, True)])
+    ("gpt2", "full", 2, False), ("gpt2", "lora", 2, True), ("qwen2", "lora", 2, False)])
 def test_planned_window_matches_the_memory_measured_on_the_cpu(checkpoints, arch, finetune,
                                                                depth, ckpt):
     """One window of depth+1 segments, random weights: the allocator's peak within 3% of the
