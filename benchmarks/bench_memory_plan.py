@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/bench_memory_plan.py            # the table of BENCHMARKS.md
     .venv/bin/python benchmarks/bench_memory_plan.py --quick    # three small rows
     .venv/bin/python benchmarks/bench_memory_plan.py --compile  # + the compiled model's peak
+    .venv/bin/python benchmarks/bench_memory_plan.py --only "hf "   # pretrained backbones
+    python benchmarks/bench_memory_plan.py --cuda               # on a GPU (the CUDA rows)
 
 Each row runs one BPTT window exactly as the trainer does (`train.bptt.run_window` over k+1
 segments, the bare model as the engine, one backward) on the CPU, with a full memory carried
@@ -19,6 +21,10 @@ so that what grows is the window's own memory. Two exact byte counts, no RSS:
 
 Predicted: `window_memory(...)` with kernel "cpu" (dropout noise in the model dtype, SDPA's
 math path), the same config, rows and window. Error = (predicted - measured) / measured.
+
+The `hf` rows plan a pretrained backbone (model/pretrained/shapes.py) with random weights
+drawn from a config alone. --cuda runs the CUDA rows on a GPU instead: the growth of
+torch.cuda.max_memory_allocated over the same window against the plan's CUDA kernels.
 
 --compile also measures the peak of the same window with the decoder stack compiled as
 `model.compile: true` compiles it (model/compiled.py), for the rows that can compile (not
@@ -105,33 +111,38 @@ def _build(cfg: ModelConfig, precision: str, device: str = "cpu") -> torch.nn.Mo
     return model.to(device, DTYPES[precision]).train()
 
 
+def _warmed(forward, model, cfg: ModelConfig, rows: int, depth: int, window: dict,
+            gen: torch.Generator, device):
+    """The state after a full memory is carried in (filled under no_grad) and one warm-up
+    window has allocated the parameter gradients (zeroed again)."""
+    state = None
+    with torch.no_grad():   # a full memory, as in the middle of a stream
+        for _ in range(max(1, math.ceil(cfg.mem_len / cfg.tgt_len))):
+            state = run_window(forward, state, [_segment(cfg, rows, gen)], device).state
+    warm = run_window(forward, state, [_segment(cfg, rows, gen) for _ in range(depth + 1)],
+                      device, **window)
+    warm.loss.backward()
+    for p in model.parameters():
+        if p.grad is not None:   # a frozen parameter has none
+            p.grad.zero_()
+    return warm.state
+
+
 def measure_cuda(cfg: ModelConfig, rows: int, depth: int, checkpoint_segments: bool,
                  precision: str = "bf16", seed: int = 0) -> dict:
     """The same window on a GPU: the growth of torch.cuda.max_memory_allocated over the
-    forward and backward, with the memory and the parameter gradients already there."""
-    dev = torch.device("cuda")
+    forward and backward."""
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed)
-    model = _build(cfg, precision, "cuda")
+    model, dev = _build(cfg, precision, "cuda"), torch.device("cuda")
     window = {"checkpoint_segments": checkpoint_segments}
-    with torch.no_grad():
-        state = run_window(model, None, [_segment(cfg, rows, gen)], dev).state
-    warm = run_window(model, state, [_segment(cfg, rows, gen) for _ in range(depth + 1)], dev,
-                      **window)
-    warm.loss.backward()
-    state = warm.state
-    for p in model.parameters():
-        if p.grad is not None:
-            p.grad.zero_()
-    del warm
+    state = _warmed(model, model, cfg, rows, depth, window, gen, dev)
     gc.collect()
-    torch.cuda.synchronize()
     segments = [_segment(cfg, rows, gen) for _ in range(depth + 1)]
+    torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    res = run_window(model, state, segments, dev, **window)
-    res.loss.backward()
-    del res
+    run_window(model, state, segments, dev, **window).loss.backward()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
     del model, state
@@ -158,20 +169,9 @@ def measure(cfg: ModelConfig, rows: int, depth: int, checkpoint_segments: bool,
     def forward(*args, **kwargs):
         return model(*args, **kwargs)
 
-    state = None
-    with torch.no_grad():   # a full memory, as in the middle of a stream
-        for _ in range(max(1, math.ceil(cfg.mem_len / cfg.tgt_len))):
-            state = run_window(forward, state, [_segment(cfg, rows, gen)], "cpu").state
     window = {"checkpoint_segments": checkpoint_segments, "recompute": recompute,
               "keep_last_segments": keep_last}
-    warm = run_window(forward, state, [_segment(cfg, rows, gen) for _ in range(depth + 1)],
-                      "cpu", **window)
-    warm.loss.backward()
-    state = warm.state
-    for p in model.parameters():
-        if p.grad is not None:   # a frozen parameter has none
-            p.grad.zero_()
-    del warm
+    state = _warmed(forward, model, cfg, rows, depth, window, gen, "cpu")
     gc.collect()
 
     segments = [_segment(cfg, rows, gen) for _ in range(depth + 1)]
@@ -295,36 +295,36 @@ def hf_model(family: str, m: int, tgt_len: int, finetune: str = "full", shape=No
             "hf": {"path": hf_checkpoint(family, **shape), "finetune": finetune, **hf}}
 
 
+def hf(family: str, m: int, tgt_len: int, finetune: str, **kw):
+    """A row's model config, made when the row runs (its config.json is written then)."""
+    return functools.partial(hf_model, family, m, tgt_len, finetune, **kw)
+
+
 # Pretrained backbones (`backbone: hf`, model/pretrained/shapes.py): a Llama-shaped decoder
 # (RMSNorm, RoPE, 4 query heads over 2 KV heads, SwiGLU) and a GPT-2-shaped one (LayerNorm,
 # fused qkv, Python tanh GELU, dropout 0.1 after c_proj, the MLP and the embeddings; SDPA's
 # attention dropout 0, since the CPU's flash kernel takes none), random weights, 16 memory
-# tokens around 64-token segments, full / frozen / LoRA fine-tuning. The model is built
-# when the row runs (a callable config).
+# tokens around 64-token segments, full / frozen / LoRA fine-tuning.
 HF_LLAMA = dict(vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=4,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 HF_GPT2 = dict(vocab_size=512, n_embd=128, n_layer=4, n_head=4, n_positions=256,
                resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.0)
 CASES += [
     (f"hf {fam} {mode} m=16 k={k}{' ckpt-seg' if ckpt else ''}",
-     functools.partial(hf_model, fam, 16, 64, mode), 4, k, ckpt, "fp32")
+     hf(fam, 16, 64, mode), 4, k, ckpt, "fp32")
     for fam in ("llama", "gpt2") for mode, k, ckpt in (
         ("full", 0, False), ("full", 2, False), ("frozen", 2, False), ("lora", 2, False),
         ("lora", 3, True))]
-CASES += [("hf llama lora m=16 k=1 bf16", functools.partial(hf_model, "llama", 16, 64, "lora"),
-           4, 1, False, "bf16"),
-          ("hf llama lora m=16 k=3 save-linear",
-           functools.partial(hf_model, "llama", 16, 64, "lora"), 4, 3, True, "fp32",
-           {"recompute": "save-linear"}),
-          ("hf gpt2 full m=16 k=3 masks+ffn-out:2 last1",
-           functools.partial(hf_model, "gpt2", 16, 64, "full"), 4, 3, True, "fp32",
-           {"recompute": "save-masks+ffn-out:2", "keep_last": 1}),
-          ("hf gpt2 lora m=16 k=3 save-matmul",
-           functools.partial(hf_model, "gpt2", 16, 64, "lora", lora_dropout=0.1), 4, 3, True,
-           "fp32", {"recompute": "save-matmul"}),
-          ("hf llama frozen m=16 k=1 ckpt-layers",
-           functools.partial(hf_model, "llama", 16, 64, "frozen", checkpoint_layers=True), 4,
-           1, False, "fp32")]
+CASES += [
+    ("hf llama lora m=16 k=1 bf16", hf("llama", 16, 64, "lora"), 4, 1, False, "bf16"),
+    ("hf llama lora m=16 k=3 save-linear", hf("llama", 16, 64, "lora"), 4, 3, True, "fp32",
+     {"recompute": "save-linear"}),
+    ("hf gpt2 full m=16 k=3 masks+ffn-out:2 last1", hf("gpt2", 16, 64, "full"), 4, 3, True,
+     "fp32", {"recompute": "save-masks+ffn-out:2", "keep_last": 1}),
+    ("hf gpt2 lora m=16 k=3 save-matmul", hf("gpt2", 16, 64, "lora", lora_dropout=0.1), 4, 3,
+     True, "fp32", {"recompute": "save-matmul"}),
+    ("hf llama frozen m=16 k=1 ckpt-layers",
+     hf("llama", 16, 64, "frozen", checkpoint_layers=True), 4, 1, False, "fp32")]
 QUICK = ("xl M=64 k=0", "lamemo M=64 k=0", "rmt m=16 k=0")
 # --cuda: the planner's GPU kernels (SDPA's memory-efficient kernel with the mask as a bias,
 # 1-byte dropout masks, fp32 norm statistics) against torch.cuda's allocator, bf16, on
@@ -337,12 +337,12 @@ GPT2S = dict(vocab_size=50257, n_embd=768, n_layer=2, n_head=12, n_positions=102
              resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
 CUDA_CASES = [
     (f"cuda llama-7b-shape {mode} k={k}{' ckpt-seg' if ckpt else ''}",
-     functools.partial(hf_model, "llama", 16, 1024, mode, shape=LLAMA7B), 1, k, ckpt, "bf16")
+     hf("llama", 16, 1024, mode, shape=LLAMA7B), 1, k, ckpt, "bf16")
     for mode, k, ckpt in (("frozen", 0, False), ("frozen", 2, False), ("lora", 2, False),
                           ("full", 1, False), ("lora", 3, True))]
 CUDA_CASES += [
-    (f"cuda gpt2-small-shape {mode} k={k}",
-     functools.partial(hf_model, "gpt2", 16, 512, mode, shape=GPT2S), 2, k, False, "bf16")
+    (f"cuda gpt2-small-shape {mode} k={k}", hf("gpt2", 16, 512, mode, shape=GPT2S), 2, k,
+     False, "bf16")
     for mode, k in (("full", 1), ("frozen", 2))]
 
 
@@ -357,21 +357,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda", action="store_true",
                     help="the GPU rows (pretrained backbones in bf16) on the GPU instead")
     args = ap.parse_args(argv)
-    if args.cuda:
-        return main_cuda(args)
     torch.set_num_threads(1)
+    if args.cuda:
+        print(_sdpa_kernel())
     rows_out = []
     print(f"{'config':<44} {'pred saved MB':>13} {'meas saved MB':>13} {'err':>7} "
           f"{'pred peak MB':>12} {'meas peak MB':>12} {'err':>7}"
           + (f" {'compiled MB':>12} {'vs eager':>7}" if args.compile else ""), flush=True)
-    for label, kw, rows, depth, ckpt, prec, *window in CASES:
+    for label, kw, rows, depth, ckpt, prec, *window in CUDA_CASES if args.cuda else CASES:
         if (args.quick and label not in QUICK) or (args.only and args.only not in label):
             continue
         window = window[0] if window else {}
         cfg = ModelConfig(**(kw() if callable(kw) else kw))
         t0 = time.process_time()
-        got = measure(cfg, rows, depth, ckpt, prec, **window)
-        want = predict(cfg, rows, depth, ckpt, prec, **window)
+        got = (measure_cuda(cfg, rows, depth, ckpt, prec) if args.cuda else
+               measure(cfg, rows, depth, ckpt, prec, **window))
+        want = predict(cfg, rows, depth, ckpt, prec, **window,
+                       kernel="cuda" if args.cuda else "cpu")
         r = {"config": label, "rows": rows, "depth": depth, "checkpoint_segments": ckpt,
              "precision": prec, **window, **{f"pred_{k}": v for k, v in want.items()},
              **{f"meas_{k}": v for k, v in got.items()}, "cpu_s": time.process_time() - t0}
@@ -385,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{100 * (r['compiled_vs_eager'] - 1):>+6.1f}%")
         # Checkpointed regions save through their own hooks: the saved column would not
         # see them (the kept inputs are not saved tensors), so it is left empty.
-        hidden = ckpt or cfg.checkpoint_layers
+        hidden = ckpt or cfg.checkpoint_layers or args.cuda   # (on a GPU: the peak only)
         r["err_saved"] = None if hidden else (want["saved"] - got["saved"]) / got["saved"]
         rows_out.append(r)
         saved = ("" if hidden else
@@ -403,38 +405,19 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(ratios)} configurations (the plan counts eager's)")
     if args.json:
         with open(args.json, "w") as f:
+            device = {"device": torch.cuda.get_device_name()} if args.cuda else {}
             json.dump({"date": datetime.date.today().isoformat(),
-                       "torch": torch.__version__, "rows": rows_out}, f, indent=2)
+                       "torch": torch.__version__, **device, "rows": rows_out}, f, indent=2)
     return 0
 
 
-def main_cuda(args) -> int:
-    """--cuda: peak allocation growth of one window on the GPU against the plan's CUDA
-    kernel assumptions; says which SDPA kernel ran a masked bf16 call."""
+def _sdpa_kernel() -> str:
+    """Which SDPA kernel this GPU runs for a masked bf16 call like a decoder layer's."""
     q = torch.randn(1, 32, 1056, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     mask = torch.ones(1, 1, 1056, 1056, dtype=torch.bool, device="cuda").tril()
     out = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}: a masked bf16 SDPA "
-          f"call runs {type(out.grad_fn).__name__}", flush=True)
-    del q, out
-    rows_out = []
-    for label, kw, rows, depth, ckpt, prec in CUDA_CASES:
-        if args.only and args.only not in label:
-            continue
-        cfg = ModelConfig(**kw())
-        got = measure_cuda(cfg, rows, depth, ckpt, prec)
-        want = predict(cfg, rows, depth, ckpt, prec, kernel="cuda")
-        err = (want["peak"] - got["peak"]) / got["peak"]
-        rows_out.append({"config": label, "rows": rows, "depth": depth,
-                         "checkpoint_segments": ckpt, "precision": prec,
-                         "pred_peak": want["peak"], "meas_peak": got["peak"], "err_peak": err})
-        print(f"{label:<44} pred {want['peak'] / 2**20:>10.1f} MiB  meas "
-              f"{got['peak'] / 2**20:>10.1f} MiB  {100 * err:+6.1f}%", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-                       "device": torch.cuda.get_device_name(), "rows": rows_out}, f, indent=2)
-    return 0
+    return (f"{torch.cuda.get_device_name()}, torch {torch.__version__}: a masked bf16 SDPA "
+            f"call runs {type(out.grad_fn).__name__}")
 
 
 if __name__ == "__main__":
