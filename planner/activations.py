@@ -26,6 +26,12 @@ s bytes of the model dtype: 4 fp32, 2 bf16/fp16; each storage counted once):
   (`segment_shapes`, model/shapes.py; XL Q = L, K = M+L; LaMemo's look-ahead and
   interpolation, Ji et al. 2022 Eq. 7-11, in model/lamemo.py; RMT Q = 2m+L, D = Q+K-1,
   Bulatov et al. 2022 §3, in model/rmt.py). Nothing here asks which mechanism it counts.
+- a layer stated tensor by tensor (a pretrained Hugging Face decoder, `StatedLayer` from
+  model/pretrained/shapes.py): its blocks' saved tensors, backward phases and trained
+  parameters as stated, plus what each `scaled_dot_product_attention` call's kernel keeps
+  (`_sdpa`); its embedding and head likewise stated, and its parameter counts its own
+  (`shape_class(cfg).parameter_counts`: only what `model.hf.finetune` trains gets
+  gradients).
 - head (model/adaptive.py): W's input, the fp32 log-softmax [N, V] (N = B·L), the targets;
   adaptive softmax (Grave et al. 2016): the concatenated head weight, the head log-softmax and
   its row copy, each tail cluster's rows' log-softmax. Rows per cluster: a Zipf law (rank^-1)

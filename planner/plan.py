@@ -11,6 +11,8 @@ Per GPU (one rank per GPU, as `memtrain submit` lays them out):
   the fp32 master partition DeepSpeed keeps from stage 1 on (4 B / N_d; measured in
   BENCHMARKS.md, "ZeRO: model-state memory per rank"). Stage 1 partitions the optimizer
   state over the N_d data-parallel ranks, stage 2 also the gradients, stage 3 the parameters;
+  the frozen weights of a pretrained base (`model.hf.finetune` frozen or lora) cost their
+  model dtype alone (`model_states`);
 - DeepSpeed's reduce bucket (and at stage 3 its prefetch bucket and one gathered tensor);
 - the memory state carried between windows and the peak of one BPTT window, from
   planner/activations.py (what each block of a segment saves, from the shapes each mechanism
