@@ -31,6 +31,8 @@ Parts:
            of ckpt and unroll at every --speed-segments n and of base at --base-segments,
            a step including the Adam update; all variants in one process, interleaved round
            by round in rotated order (common.interleaved); medians of per-round ratios.
+           Also the forward passes' share of each step (why checkpointing costs what it
+           does: its backward runs every segment's forward again).
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class Runner:
         self.a, self.mode, self.n = a, mode, n
         # Its own generator: the memory's initial draw must not change the tokens, so that
         # every variant sees the same ones.
+        self.fwd_s: list[float] = []   # clock seconds of each step's forward passes
         self.data = torch.randint(0, a.vocab, (a.batch, (n + 2) * a.seg_len + 1),
                                   generator=torch.Generator().manual_seed(a.seed))
 
@@ -109,18 +112,23 @@ class Runner:
     def step(self, n: int | None = None) -> float:
         segs = self.segments(self.n if n is None else n)
         start = self.clock()
+        fwd = 0.0
         if self.mode == "base":
             for seg in segs:
                 tokens = seg.tokens.to(self.device)
+                t = self.clock()
                 out = self.model(tokens[:, :-1], None, targets=seg.tokens[:, 1:])
+                fwd += self.clock() - t
                 (out.loss / len(segs)).backward()
         else:
             res = run_window(self.model, None, segs, self.device,
                              checkpoint_segments=self.mode == "ckpt")
+            fwd = self.clock() - start
             res.loss.backward()
         if self.opt is not None:
             self.opt.step()
         elapsed = self.clock() - start
+        self.fwd_s.append(fwd)
         self.model.zero_grad(set_to_none=True)
         return elapsed
 
@@ -200,6 +208,10 @@ def measure_speed(a, path: str) -> dict:
         out["variants"][name] = {
             "cpu_s": ts, "median_s_per_step": statistics.median(ts),
             "tokens_per_s": statistics.median(tps),
+            # The forward passes' share of the step (a checkpointed segment runs its forward
+            # twice, so time(ckpt) / time(unroll) is about 1 + this share of `unroll`).
+            "forward_share": statistics.median(
+                f / t for f, t in zip(runners[name].fwd_s[-len(ts):], ts, strict=True)),
             # per-round ratio of text-token rates against the base model without memory
             "ratio_vs_base": statistics.median(x / b for x, b in zip(tps, base_tps,
                                                                        strict=True))}
@@ -233,8 +245,9 @@ def report(a, results: dict) -> None:
         for name, v in sp.items():
             extra = (f"  time vs unroll {v['time_vs_unroll']:.2f}x"
                      if "time_vs_unroll" in v else "")
-            print(f"  {name:<10}{v['tokens_per_s']:>8.0f} tokens/CPU-s  "
-                  f"{v['ratio_vs_base']:.2f}x of base{extra}")
+            print(f"  {name:<10}{v['tokens_per_s']:>8.0f} tokens/s  "
+                  f"{v['ratio_vs_base']:.2f}x of base  forward {v['forward_share']:.0%} of "
+                  f"the step{extra}")
         n = a.base_segments
         print(f"memory tokens' share of the decoder's work: (L+2m)/L = {(L + 2 * m) / L:.3f}")
         for mode in MODES[:2]:
@@ -301,8 +314,8 @@ def main(argv=None) -> int:
             print("peak MB of one step (n segments, one backward, no optimizer):", flush=True)
             results["memory"] = measure_memory(a, path)
         if "speed" in parts:
-            print(f"text tokens/CPU-s, {a.rounds} interleaved rounds (Adam included):",
-                  flush=True)
+            print(f"text tokens/s ({'wall' if a.device != 'cpu' else 'CPU'} s), {a.rounds} "
+                  "interleaved rounds (Adam included):", flush=True)
             results["speed"] = measure_speed(a, path)
     report(a, results)
     return finish(a.json, results, t0)
