@@ -39,6 +39,16 @@ def core_class(cfg: ModelConfig) -> type[RelativeBackbone]:
     return _CORES[cfg.mechanism]
 
 
+def shape_class(cfg: ModelConfig):
+    """What states a segment's shapes (`segment_shapes`, model/shapes.py) for `cfg`: the
+    mechanism's class for the native stack, model/pretrained/shapes.py's for a pretrained
+    backbone, which also counts its parameters without weights (`parameter_counts`)."""
+    if cfg.backbone == "hf":
+        from .pretrained.shapes import PretrainedShapes
+        return PretrainedShapes
+    return core_class(cfg)
+
+
 class MemoryLM(SegmentLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)

@@ -54,7 +54,7 @@ import torch
 
 from model import ModelConfig, build_model
 from model.attention_kernels import sdpa_head_pad
-from model.lm import core_class
+from model.lm import shape_class
 from model.shapes import LayerShape, SdpaShape, SegmentShapes, StatedBlock, StatedLayer
 
 
@@ -125,16 +125,6 @@ class Params:
     @property
     def frozen(self) -> int:
         return self.total - self.trained_total
-
-
-def shape_class(cfg: ModelConfig):
-    """What states a segment's shapes and parameter counts: the mechanism's class
-    (`model.lm.core_class`) for the native stack, model/pretrained/shapes.py for a
-    pretrained backbone. The planner asks nothing else of the model."""
-    if cfg.backbone == "hf":
-        from model.pretrained.shapes import PretrainedShapes
-        return PretrainedShapes
-    return core_class(cfg)
 
 
 def count_params(cfg: ModelConfig) -> Params:
