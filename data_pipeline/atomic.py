@@ -28,6 +28,12 @@ from pathlib import Path
 from typing import IO, Any
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def temp_name(path: Path) -> Path:
     """The temporary name `path` is written under (a dot file: globs of the final names,
     e.g. checkpoints/step*, never match it)."""
@@ -53,6 +59,10 @@ class AtomicFile:
             self.file.flush()
             os.fsync(self.file.fileno())
             self.file.close()
+            # The mode a plain open() would give: a writer that replaces the file by name
+            # (safetensors writes its own, mode 0600) must not hide an export from the
+            # other users of a shared file system.
+            os.chmod(self.tmp, 0o666 & ~_umask())
             os.replace(self.tmp, self.path)
         except BaseException:
             self.discard()

@@ -25,6 +25,16 @@ def test_exported_weights_load_back_and_leave_no_temporary(tmp_path):
                                                  back.state_dict().values(), strict=True))
 
 
+def test_exported_weights_get_the_mode_a_plain_file_would(tmp_path):
+    """safetensors writes its file itself with mode 0600; on a shared file system the export
+    must be readable by whom the umask allows, like every other file of the run."""
+    import os
+    path = save_model(tiny_model("xl"), tmp_path / "model.safetensors")
+    plain = tmp_path / "plain"
+    plain.write_text("")
+    assert os.stat(path).st_mode & 0o777 == os.stat(plain).st_mode & 0o777
+
+
 def test_an_export_that_fails_midway_keeps_the_previous_file(tmp_path, monkeypatch):
     path = save_model(tiny_model("xl"), tmp_path / "model.safetensors")
     before = path.read_bytes()
