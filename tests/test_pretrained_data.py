@@ -221,3 +221,16 @@ def test_training_accepts_data_of_the_models_tokenizer_and_trains_on_it(ckpt, tm
     train_in_process(cfg, monkeypatch)
     losses = step_losses(tmp_path / "runs" / "hf")
     assert sorted(losses) == [1, 2] and all(np.isfinite(list(losses.values())))
+
+
+def test_a_frozen_base_on_a_token_stream_is_warned_that_only_the_initial_memory_trains(
+        ckpt, tmp_path, capsys):
+    from train.trainer import open_data
+
+    m = prepare_text(tmp_path, f"hf:{ckpt}")
+    cfg = run_config(tmp_path, ckpt, m.location)
+    open_data(cfg, 0)
+    assert "frozen" not in capsys.readouterr().err
+    cfg.model.hf.finetune = "frozen"
+    open_data(cfg, 0)
+    assert "frozen on a token stream trains only the initial memory" in capsys.readouterr().err

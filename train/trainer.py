@@ -6,6 +6,7 @@ rank; `main_entry` turns its errors into exit codes for `memtrain train`.
 from __future__ import annotations
 
 import subprocess
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -104,6 +105,13 @@ def open_data(cfg: RunConfig, rank: int) -> tuple[Manifest, WindowPlan]:
     manifest = load_manifest(cfg.data.path)
     if cfg.model.backbone == "hf":
         check_pretrained_vocab(cfg, manifest, announce=rank == 0)
+        if cfg.model.hf.finetune == "frozen" and not manifest.episodic and rank == 0:
+            # Frozen, the write path is the base itself: only the initial memory trains,
+            # and a token stream reads it only where a row's document starts.
+            print("memtrain train: warning: model.hf.finetune frozen on a token stream trains "
+                  "only the initial memory, which the stream uses only where a document "
+                  "starts; lora trains how the memory is written too", file=sys.stderr,
+                  flush=True)
     elif manifest.vocab_size > cfg.model.vocab_size:
         raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the "
                           f"data's vocabulary ({manifest.vocab_size} ids in {cfg.data.path})")
