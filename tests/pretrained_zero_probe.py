@@ -1,52 +1,46 @@
-"""Run under torchrun by test_pretrained_zero.py: what each rank holds of a pretrained
-model at ZeRO-3, right after train/pretrained.py loaded it and after deepspeed.initialize.
+"""Run under torchrun by test_pretrained_zero.py in place of `python -m train`: the training
+run itself, with the trainer's call of deepspeed.initialize wrapped to record what each
+rank holds of the model just before it (right after train/pretrained.py built it) and just
+after it. Nothing else changes: the run trains, checkpoints and exports as always.
 
-argv: a run config (backbone: hf, deepspeed.zero_stage 3) and overrides. Prints one JSON line from
-rank 0, with every rank's numbers:
-  base_local  elements of the base this rank holds after loading (its partitions plus any
-              whole tensor), before deepspeed.initialize; base_full: the base's elements
-  unpartitioned_after  names of the engine's parameters that are not ZeRO-3 partitioned
-              after deepspeed.initialize (a ZeRO parameter keeps an empty `data`)
-  memory_local  elements of the initial memory (made outside zero.Init) this rank holds
-              after deepspeed.initialize; memory_full: its elements
-  dtypes      the dtypes of this rank's partitions after deepspeed.initialize
+Prints one JSON line from rank 0, with every rank's numbers (elements of the parameters:
+a ZeRO-3 parameter's partition `ds_tensor` plus any whole tensor, train.pretrained.
+local_share):
+  base_before  of the pretrained base, before deepspeed.initialize (base_full: all of it)
+  model_after  of the whole model, after it (model_full: all of it)
+  memory_after of the initial memory, made outside zero.Init, after it (memory_full)
+  dtypes       the dtypes this rank holds the parameters in, after it
 """
 
 import json
-import os
 import sys
 
-import torch
 import torch.distributed as dist
 
-from train.config import load_config
-from train.distributed import init_process_group, resolve_env
-from train.engine import build_ds_config, initialize
-from train.pretrained import build_for_engine, local_share
+import train.trainer as trainer
+from train.cli import main_train
+from train.pretrained import local_share
 
-env = resolve_env()
-init_process_group(env)
-cfg = load_config(sys.argv[1], sys.argv[2:])
-ds_config = build_ds_config(cfg, env.world_size)
-torch.manual_seed(cfg.seed)
-model = build_for_engine(cfg.model, ds_config, is_main=False)
-base_local, base_full = local_share(model.base)
-engine, _ = initialize(model, cfg, ds_config)
-unpartitioned = [n for n, p in engine.module.named_parameters()
-                 if not hasattr(p, "ds_id") or p.numel() != 0]
-memory_local, memory_full = local_share(engine.module.memory_init)
-mine = {"base_local": base_local, "memory_local": memory_local,
-        "unpartitioned_after": unpartitioned,
-        "dtypes": sorted({str(p.ds_tensor.dtype) for p in engine.module.parameters()
-                          if hasattr(p, "ds_tensor")})}
-every = [None] * env.world_size
-dist.all_gather_object(every, mine)
-if env.rank == 0:
-    print(json.dumps({"case": "zero3", "base_full": base_full, "memory_full": memory_full,
-                      **{key: [r[key] for r in every] for key in mine}}), flush=True)
-dist.barrier()
-dist.destroy_process_group()
-# As tests/engine_probe.py explains: gloo's worker threads can abort a rank in the
-# interpreter's teardown after the results are out; leave without it.
-sys.stdout.flush()
-os._exit(0)
+_initialize = trainer.initialize
+
+
+def recording_initialize(model, cfg, ds_config):
+    base_before, base_full = local_share(model.base)
+    engine, schedule = _initialize(model, cfg, ds_config)
+    model_after, model_full = local_share(engine.module)
+    memory_after, memory_full = local_share(engine.module.memory_init)
+    dtypes = sorted({str(getattr(p, "ds_tensor", p).dtype) for p in engine.module.parameters()})
+    mine = {"base_before": base_before, "model_after": model_after,
+            "memory_after": memory_after, "dtypes": dtypes}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    if dist.get_rank() == 0:
+        print(json.dumps({"case": "initialize", "base_full": base_full,
+                          "model_full": model_full, "memory_full": memory_full,
+                          **{key: [r[key] for r in every] for key in mine}}), flush=True)
+    return engine, schedule
+
+
+trainer.initialize = recording_initialize
+if __name__ == "__main__":
+    sys.exit(main_train(sys.argv[1:]))
