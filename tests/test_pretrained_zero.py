@@ -130,6 +130,12 @@ def test_zero3_loads_the_base_partitioned_and_partitions_the_memory_at_initializ
     # The run says so, once (rank 0, with every rank's share).
     said = LOADED.findall(stdout)
     assert [list(map(int, s)) for s in said] == [held["base_before"] + [held["base_full"]]]
+    # A sharded base is not gathered whole on every rank for the final report: in bf16 it
+    # scores the training copy and names it (fp32 has one copy).
+    run_dir = hf_run(arch, 3)[0]
+    weights = json.loads((run_dir / "eval_report.json").read_text())["main"]["protocol"]
+    assert weights["weights"] == {"fp32": "fp32", "bf16": "bf16 (training copy)"}[
+        RUNS[arch][1]]
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])

@@ -29,7 +29,7 @@ from . import checkpoint as ckpt
 from .bptt import run_window
 from .evaluate import evaluate, headline, protocol_for
 from .export import export_checkpoint
-from .master_weights import fp32_master_model, scored_weights
+from .master_weights import fp32_master_model, gathers_masters, scored_weights
 from .progress import Progress, peak_memory_mb
 from .run_dir import RunDir
 
@@ -226,10 +226,11 @@ class TrainingLoop:
         module, the training copy (ZeRO-3 gathers its parameters in the engine's hooks). The
         final report of a bf16/fp16 run scores a plain model of DeepSpeed's fp32 master
         weights instead, gathered from the optimizer once (train/master_weights.py): the
-        weights the checkpoint, `memtrain export` and `memtrain eval` hold."""
+        weights the checkpoint, `memtrain export` and `memtrain eval` hold (except where
+        `gathers_masters` says a whole model would not fit: a sharded pretrained base)."""
         precision = self.cfg.deepspeed.precision
         training_copy = (self.engine, self.engine.module, scored_weights(precision, False))
-        if precision == "fp32" or not final:
+        if precision == "fp32" or not final or not gathers_masters(self.cfg.model, self.stage):
             return training_copy
         if self._final_scored is None:
             model = fp32_master_model(self.engine, self.cfg.model, self.device)

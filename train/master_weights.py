@@ -29,12 +29,21 @@ from model import ModelConfig, build_model
 MASTER = "fp32 (master copy)"
 
 
-def scored_weights(precision: str, final: bool) -> str:
+def gathers_masters(model_cfg: ModelConfig, zero_stage: int) -> bool:
+    """Whether the final report of a half-precision run gathers its fp32 masters into a
+    whole model on every rank. Not for a pretrained backbone at ZeRO-3: its base is sharded
+    because one device need not hold it whole (train/pretrained.py), so the report scores
+    the training copy and says so; `memtrain eval` of the checkpoint scores the masters."""
+    return not (model_cfg.backbone == "hf" and zero_stage == 3)
+
+
+def scored_weights(precision: str, final: bool, masters: bool = True) -> str:
     """The words of EvalProtocol.weights for an evaluation of a `precision` run: the final
-    report scores the fp32 master copy, the validations the training copy."""
+    report scores the fp32 master copy (when `masters`: `gathers_masters`), the validations
+    the training copy."""
     if precision == "fp32":
         return "fp32"
-    return MASTER if final else f"{precision} (training copy)"
+    return MASTER if final and masters else f"{precision} (training copy)"
 
 
 def checkpoint_weights(precision: str, zero_stage: int) -> str:

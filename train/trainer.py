@@ -33,7 +33,7 @@ from .distributed import (
 from .engine import build_ds_config, initialize, zero_stage
 from .evaluate import protocol_for
 from .loop import LoopParts, NonFiniteLoss, TrainingLoop
-from .master_weights import scored_weights
+from .master_weights import gathers_masters, scored_weights
 from .precision import check_precision, configure_matmul
 from .pretrained import build_for_engine
 from .resume import restore
@@ -206,7 +206,9 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
                                   cfg, split=cfg.data.valid_split, weights=scored_weights(
                                       cfg.deepspeed.precision, final=False))),
                               "final_protocol": asdict(protocol_for(cfg, weights=scored_weights(
-                                  cfg.deepspeed.precision, final=True)))},
+                                  cfg.deepspeed.precision, final=True,
+                                  masters=gathers_masters(cfg.model,
+                                                          zero_stage(ds_config)))))},
                       tags={"model_type": "memory-augmented-lm",
                             "mechanism": cfg.model.mechanism, "git_commit": git_commit(),
                             "world_size": env.world_size,
