@@ -196,8 +196,8 @@ class ModelConfig:
             raise ConfigError(f"{section}.clamp_len", f"must be -1 (off) or > 0, got "
                               f"{clamp_len}")
         if mem_len and self.backbone == "hf":
-            raise ConfigError(f"{section}.mem_len", "a pretrained backbone keeps no XL "
-                              f"cache; mem_len must be 0 (got {mem_len})")
+            raise ConfigError(f"{section}.mem_len", f"must be 0, got {mem_len}: a pretrained "
+                              "backbone keeps no XL cache")
         if same_length and self.mechanism == "rmt":
             raise ConfigError(f"{section}.same_length", "is not defined for RMT (memory rows "
                               "see their blocks in full)")

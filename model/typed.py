@@ -25,7 +25,7 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the reason."""
 
     def __init__(self, field_name: str, reason: str):
-        self.field = field_name
+        self.field, self.reason = field_name, reason
         super().__init__(f"{field_name}: {reason}")
 
 

@@ -308,7 +308,7 @@ def report(setup: Setup, gpu: str, nodes: int, per_node: int) -> tuple[str, bool
     try:
         m.check_lengths(max(lo, 1), m.clamp_len, m.same_length)
     except ConfigError as err:   # no mem_len > 0 (a pretrained backbone keeps no XL cache)
-        lines.append(f"  largest model.mem_len: not applicable ({err})")
+        lines.append(f"  largest model.mem_len: not applicable ({err.reason})")
         return "\n".join(lines), fits
     fit_m = largest(lambda x: total_bytes(setup, k, x, seg, lay) <= setup.gpu_bytes, lo)
     adds = shapes(Dims(m, setup.rows, mem)).mem_len_adds
