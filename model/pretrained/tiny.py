@@ -3,8 +3,8 @@
     python -m model.pretrained.tiny llama ckpt/tiny-llama     # or gpt2
 
 writes what `save_pretrained` writes for a 2-layer model with random weights and a
-32-symbol character tokenizer (lower-case letters, space, punctuation, newline; <unk> for
-the rest), so `memtrain prepare`, `train`, `plan`, `submit --dry-run`, `eval`, `generate`
+50-symbol character tokenizer (lower-case letters, digits, space, newline, punctuation and
+the task symbols `_` and `>`; <unk> for the rest), so `memtrain prepare`, `train`, `plan`, `submit --dry-run`, `eval`, `generate`
 and `export` run against it exactly as against a real checkpoint directory. Nothing is
 downloaded.
 """
@@ -16,12 +16,14 @@ from pathlib import Path
 
 import torch
 
-V = 32   # vocabulary: 26 letters, space, . , ? newline, <unk>
-_SYMBOLS = ["<unk>", " ", *"abcdefghijklmnopqrstuvwxyz", ".", ",", "?", "\n"]
+V = 32   # the tests' checkpoints: embedding rows (no tokenizer needed)
+# The command's tokenizer: every character `memtrain tasks` renders, and plain text.
+_SYMBOLS = ["<unk>", " ", "\n", *"abcdefghijklmnopqrstuvwxyz", *"0123456789",
+            *".,?!'-:()_>"]
 
 
 def save_char_tokenizer(path: Path) -> None:
-    """A character-level tokenizer of exactly V entries (lower-cased input)."""
+    """A character-level tokenizer of len(_SYMBOLS) entries (lower-cased input)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     tok = Tokenizer(models.WordLevel({s: i for i, s in enumerate(_SYMBOLS)}, unk_token="<unk>"))
@@ -32,14 +34,15 @@ def save_char_tokenizer(path: Path) -> None:
 
 
 def tiny_gpt2(path: Path, *, d: int = 64, layers: int = 2, tied: bool = True,
-              n_positions: int = 64, seed: int = 0, tokenizer: bool = False) -> Path:
+              n_positions: int = 64, seed: int = 0, tokenizer: bool = False,
+              vocab: int = V) -> Path:
     """GPT-2 family: learned absolute positions, Conv1D projections, tied head."""
     from transformers import GPT2Config, GPT2LMHeadModel
     path = Path(path)
     if not (path / "config.json").exists():
         torch.manual_seed(seed)
         GPT2LMHeadModel(GPT2Config(
-            vocab_size=V, n_positions=n_positions, n_embd=d, n_layer=layers, n_head=4,
+            vocab_size=vocab, n_positions=n_positions, n_embd=d, n_layer=layers, n_head=4,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
             tie_word_embeddings=tied)).save_pretrained(path)
     if tokenizer and not (path / "tokenizer.json").exists():
@@ -48,7 +51,7 @@ def tiny_gpt2(path: Path, *, d: int = 64, layers: int = 2, tied: bool = True,
 
 
 def tiny_llama(path: Path, *, d: int = 64, layers: int = 2, tied: bool = False,
-               seed: int = 0, tokenizer: bool = False) -> Path:
+               seed: int = 0, tokenizer: bool = False, vocab: int = V) -> Path:
     """Llama family: RoPE, grouped-query attention (4 query heads over 2 KV heads),
     RMSNorm, SwiGLU."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -56,7 +59,7 @@ def tiny_llama(path: Path, *, d: int = 64, layers: int = 2, tied: bool = False,
     if not (path / "config.json").exists():
         torch.manual_seed(seed)
         LlamaForCausalLM(LlamaConfig(
-            vocab_size=V, hidden_size=d, intermediate_size=2 * d, num_hidden_layers=layers,
+            vocab_size=vocab, hidden_size=d, intermediate_size=2 * d, num_hidden_layers=layers,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
             bos_token_id=0, eos_token_id=0, tie_word_embeddings=tied)).save_pretrained(path)
     if tokenizer and not (path / "tokenizer.json").exists():
@@ -75,9 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     args = p.parse_args(argv)
-    TINY[args.arch](args.out, d=args.d_model, layers=args.layers, tokenizer=True)
-    print(f"wrote {args.arch} ({args.layers} layers, d_model {args.d_model}, vocabulary {V}) "
-          f"to {args.out}")
+    TINY[args.arch](args.out, d=args.d_model, layers=args.layers, tokenizer=True,
+                    vocab=len(_SYMBOLS))
+    print(f"wrote {args.arch} ({args.layers} layers, d_model {args.d_model}, vocabulary "
+          f"{len(_SYMBOLS)}) to {args.out}")
     return 0
 
 
