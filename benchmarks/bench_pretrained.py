@@ -18,6 +18,11 @@ a fresh memory (full BPTT over its n segments, one backward per window, as
   base     the same checkpoint with num_mem_tokens 0 (exactly the base model, no mask, no
            memory): the same n segments of L tokens, each an independent forward + backward
            (gradients accumulated, loss / n), one optimizer update per n segments.
+  --recompute POLICY[+lastN],...   more checkpointed variants, what a run config sets with
+           `bptt.recompute: POLICY` and `bptt.keep_last_segments: N` (run_window's
+           recompute= and keep_last_segments=; model/recompute.py): e.g. full+last1 (only
+           the last segment not checkpointed), save-ffn-out:1, save-linear+last1. Measured
+           in both parts at the same n as ckpt and unroll.
 
 Parts:
   memory   peak memory of one step (n segments forward + one backward + zero_grad, no
@@ -40,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -51,9 +57,21 @@ from common import add_device_args, finish, interleaved, model_dtype, status_kib
 
 from data_pipeline.streams import SegmentBatch
 from model import ModelConfig, build_model
+from model.recompute import parse_policy
 from train.bptt import run_window
 
 MODES = ("ckpt", "unroll", "base")
+
+
+def parse_variant(name: str) -> tuple[str, str, int]:
+    """A variant's name -> (mode, bptt.recompute, bptt.keep_last_segments): one of MODES, or
+    a checkpointed one named "POLICY" or "POLICY+lastN" (ckpt is "full")."""
+    if name in MODES:
+        return name, "full", 0
+    match = re.fullmatch(r"(.+?)(?:\+last(\d+))?", name)
+    policy, keep_last = match.group(1), int(match.group(2) or 0)
+    parse_policy(policy)   # a clear error for an unknown policy, before any child starts
+    return "ckpt", policy, keep_last
 
 
 def save_backbone(a, path: str) -> str:
@@ -88,9 +106,10 @@ class Runner:
     segments (forward, one backward; `base`: n independent forward + backward) and returns
     its clock seconds."""
 
-    def __init__(self, a, path: str, mode: str, n: int, optimizer: bool):
+    def __init__(self, a, path: str, variant: str, n: int, optimizer: bool):
         torch.manual_seed(a.seed)
         self.device = torch.device(a.device)
+        mode, self.recompute, self.keep_last = parse_variant(variant)
         m = 0 if mode == "base" else a.num_mem_tokens
         self.model = build_model(model_config(a, path, m)).train().to(
             self.device, model_dtype(a))
@@ -122,7 +141,8 @@ class Runner:
                 (out.loss / len(segs)).backward()
         else:
             res = run_window(self.model, None, segs, self.device,
-                             checkpoint_segments=self.mode == "ckpt")
+                             checkpoint_segments=self.mode == "ckpt",
+                             recompute=self.recompute, keep_last_segments=self.keep_last)
             fwd = self.clock() - start
             res.loss.backward()
         if self.opt is not None:
@@ -178,12 +198,13 @@ def run_child(a, spec: dict) -> dict:
 
 
 def measure_memory(a, path: str) -> dict:
-    out: dict = {mode: {} for mode in MODES[:2]}
+    names = [*MODES[:2], *a.recompute]
+    out: dict = {name: {} for name in names}
     for n in a.segments:
-        for mode in MODES[:2]:
-            out[mode][n] = run_child(a, {"path": path, "mode": mode, "n": n})
-        print(f"  n={n:<3} ckpt {out['ckpt'][n]['peak_mb']:7.0f} MB   "
-              f"unroll {out['unroll'][n]['peak_mb']:7.0f} MB", flush=True)
+        for name in names:
+            out[name][n] = run_child(a, {"path": path, "mode": name, "n": n})
+        print(f"  n={n:<3} " + "   ".join(f"{name} {out[name][n]['peak_mb']:.0f} MB"
+                                          for name in names), flush=True)
     for series in out.values():
         first = series[a.segments[0]]["peak_mb"]
         for r in series.values():
@@ -192,7 +213,8 @@ def measure_memory(a, path: str) -> dict:
 
 
 def measure_speed(a, path: str) -> dict:
-    variants = {f"{mode}-n{n}": (mode, n) for n in a.speed_segments for mode in MODES[:2]}
+    variants = {f"{mode}-n{n}": (mode, n) for n in a.speed_segments
+                for mode in (*MODES[:2], *a.recompute)}
     variants[f"base-n{a.base_segments}"] = ("base", a.base_segments)
     runners = {name: Runner(a, path, mode, n, optimizer=True)
                for name, (mode, n) in variants.items()}
@@ -214,11 +236,13 @@ def measure_speed(a, path: str) -> dict:
                 f / t for f, t in zip(runners[name].fwd_s[-len(ts):], ts, strict=True)),
             # per-round ratio of text-token rates against the base model without memory
             "ratio_vs_base": statistics.median(x / b for x, b in zip(tps, base_tps,
-                                                                       strict=True))}
-    for n in a.speed_segments:
-        c, u = times[f"ckpt-n{n}"], times[f"unroll-n{n}"]
-        out["variants"][f"ckpt-n{n}"]["time_vs_unroll"] = statistics.median(
-            x / y for x, y in zip(c, u, strict=True))
+                                                                       strict=True)),
+            "ratio_vs_base_rounds": [x / b for x, b in zip(tps, base_tps, strict=True)]}
+    for (mode, n) in variants.values():
+        if mode not in ("unroll", "base"):
+            c, u = times[f"{mode}-n{n}"], times[f"unroll-n{n}"]
+            out["variants"][f"{mode}-n{n}"]["time_vs_unroll"] = statistics.median(
+                x / y for x, y in zip(c, u, strict=True))
     return out
 
 
@@ -232,29 +256,36 @@ def print_shape(a) -> None:
 
 
 def report(a, results: dict) -> None:
-    L, m = a.seg_len, a.num_mem_tokens
-    if "memory" in results:
-        mem = results["memory"]["ckpt"]
-        lo, hi = a.segments[0], a.segments[-1]
-        r = mem[hi]["peak_mb"] / mem[lo]["peak_mb"]
-        print(f"GOAL ckpt peak(n={hi}) / peak(n={lo}) = {r:.2f}x "
-              f"(<= 1.5x: {'met' if r <= 1.5 else 'NOT met'}); unroll: "
-              f"{results['memory']['unroll'][hi]['ratio_vs_first_n']:.2f}x")
+    L, m, n = a.seg_len, a.num_mem_tokens, a.base_segments
     if "speed" in results:
-        sp = results["speed"]["variants"]
-        for name, v in sp.items():
+        for name, v in results["speed"]["variants"].items():
             extra = (f"  time vs unroll {v['time_vs_unroll']:.2f}x"
                      if "time_vs_unroll" in v else "")
-            print(f"  {name:<10}{v['tokens_per_s']:>8.0f} tokens/s  "
+            print(f"  {name:<24}{v['tokens_per_s']:>8.0f} tokens/s  "
                   f"{v['ratio_vs_base']:.2f}x of base  forward {v['forward_share']:.0%} of "
                   f"the step{extra}")
-        n = a.base_segments
         print(f"memory tokens' share of the decoder's work: (L+2m)/L = {(L + 2 * m) / L:.3f}")
-        for mode in MODES[:2]:
-            if f"{mode}-n{n}" in sp:
-                r = sp[f"{mode}-n{n}"]["ratio_vs_base"]
-                print(f"GOAL {mode} n={n} tokens/s vs base: {r:.2f}x "
-                      f"(>= 0.6x: {'met' if r >= 0.6 else 'NOT met'})")
+    mem = results.get("memory", {})
+    speed = results.get("speed", {}).get("variants", {})
+    lo, hi = a.segments[0], a.segments[-1]
+    print(f"GOALS: (a) peak(n={hi}) / peak(n={lo}) <= 1.5x; (b) n={n} tokens/s >= 0.6x base")
+    print(f"{'variant':<24}{'peak(' + str(lo) + ')':>10}{'peak(' + str(hi) + ')':>10}"
+          f"{'ratio':>8}{'vs base':>9}{'vs unroll':>11}  goals")
+    for name in (*MODES[:2], *a.recompute):
+        row, met = f"{name:<24}", []
+        if name in mem:
+            r = mem[name][hi]["peak_mb"] / mem[name][lo]["peak_mb"]
+            row += f"{mem[name][lo]['peak_mb']:>8.1f}MB{mem[name][hi]['peak_mb']:>8.1f}MB"
+            row += f"{r:>7.2f}x"
+            met.append(f"(a) {'met' if r <= 1.5 else 'NOT met'}")
+        else:
+            row += " " * 28
+        if f"{name}-n{n}" in speed:
+            v = speed[f"{name}-n{n}"]
+            row += f"{v['ratio_vs_base']:>8.2f}x"
+            row += f"{v['time_vs_unroll']:>10.2f}x" if "time_vs_unroll" in v else " " * 11
+            met.append(f"(b) {'met' if v['ratio_vs_base'] >= 0.6 else 'NOT met'}")
+        print(row + "  " + ", ".join(met))
 
 
 def ints(text: str) -> list[int]:
@@ -283,6 +314,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--segments", default="1,2,4,8,16,32", help="n of the memory part")
     p.add_argument("--speed-segments", default="1,2,4,8,16,32", help="n of the speed part")
     p.add_argument("--base-segments", type=int, default=8, help="n of the base variant")
+    p.add_argument("--recompute", default="",
+                   help="more checkpointed variants, POLICY[+lastN],... (module docstring)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (speed)")
     p.add_argument("--parts", default="memory,speed", help="of memory, speed")
     p.add_argument("--quick", action="store_true", help="tiny sizes, few variants (smoke)")
@@ -294,6 +327,13 @@ def parse_args(argv=None) -> argparse.Namespace:
             2, 64, 128, 256, 32, 4
         a.batch, a.segments, a.speed_segments, a.base_segments, a.rounds = 2, "1,4", "4", 4, 2
     a.segments, a.speed_segments = ints(a.segments), ints(a.speed_segments)
+    a.recompute = [v for v in str(a.recompute).split(",") if v]
+    for v in a.recompute:
+        try:
+            if parse_variant(v)[0] != "ckpt" or v == "ckpt":
+                raise ValueError(f"{v!r} is one of {MODES}, measured anyway")
+        except ValueError as e:
+            p.error(f"--recompute: {e}")
     return a
 
 
