@@ -37,13 +37,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 
+import common
 import torch
 from common import (
     add_device_args,
@@ -172,13 +171,7 @@ SIZE_FLAGS = ("n_layer", "d_model", "n_head", "d_inner", "seg_len", "num_mem_tok
 
 
 def run_child(a, spec: dict) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--_child", json.dumps(spec),
-           *[f"--{k.replace('_', '-')}={getattr(a, k)}" for k in SIZE_FLAGS]]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(a.threads)}
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if res.returncode:
-        raise RuntimeError(f"child {spec} failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return common.run_child(__file__, a, spec, SIZE_FLAGS)
 
 
 def measure_rmt_memory(a) -> dict:

@@ -47,11 +47,11 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
+import common
 import torch
 from common import add_device_args, finish, interleaved, model_dtype, status_kib, step_clock
 
@@ -188,13 +188,7 @@ SHAPE_FLAGS = ("arch", "n_layer", "d_model", "n_head", "n_kv_head", "d_inner", "
 
 
 def run_child(a, spec: dict) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--_child", json.dumps(spec),
-           *[f"--{k.replace('_', '-')}={getattr(a, k)}" for k in SHAPE_FLAGS]]
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(a.threads)}
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if res.returncode:
-        raise RuntimeError(f"child {spec} failed:\n{res.stderr[-3000:]}")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return common.run_child(__file__, a, spec, SHAPE_FLAGS)
 
 
 def measure_memory(a, path: str) -> dict:

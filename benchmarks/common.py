@@ -103,3 +103,20 @@ def interleaved(steps: dict[str, Callable[[], float]], rounds: int,
         if on_round is not None:
             on_round(rnd)
     return times
+
+
+def run_child(script: str, a, spec: dict, flags: tuple[str, ...]) -> dict:
+    """Run `script --_child SPEC` in a fresh process (a clean peak-RSS measurement) with
+    the size flags `flags` of `a`; its last stdout line is the JSON result. glibc's mmap
+    threshold is pinned so that freed activations go back to the OS as they do at scale."""
+    import json
+    import os
+    import subprocess
+    import sys
+    cmd = [sys.executable, os.path.abspath(script), "--_child", json.dumps(spec),
+           *[f"--{k.replace('_', '-')}={getattr(a, k)}" for k in flags]]
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(a.threads)}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if res.returncode:
+        raise RuntimeError(f"child {spec} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
