@@ -13,6 +13,19 @@ sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test leaves os.environ as it found it. An in-process run writes the launcher's
+    variables there (train.distributed.resolve_env fills RANK, WORLD_SIZE, ...), and a later
+    test in the same worker that starts a job from a copy of os.environ would hand every rank
+    RANK=0 (seen: both ranks of a DeepSpeed-launcher job on SLURM called themselves rank 0)."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def zero_run(tmp_path_factory):
     """zero_run(mechanism, stage) -> run directory of a finished 2-rank training run of the

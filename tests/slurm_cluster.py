@@ -34,6 +34,7 @@ class SlurmUnavailable(RuntimeError):
 
 
 LOCK = Path(tempfile.gettempdir()) / "memtrain-tests-slurm.lock"
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _run(cmd, env=None, timeout=30):
@@ -113,7 +114,10 @@ def _start_locked(d: Path, lock, gpus: int = 0):
             time.sleep(0.1)
         lock.close()
 
-    env = {**os.environ, "SLURM_CONF": str(conf)}
+    # A job's ranks come from SLURM; a launcher's variables left in this process (RANK, ...)
+    # would override SLURM_PROCID in every task (train.distributed.resolve_env).
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+    env["SLURM_CONF"] = str(conf)
     _munge()
     for cmd in (["slurmctld", "-f", str(conf)], ["slurmd", "-f", str(conf), "-N", "localhost"]):
         done = _run(cmd, env=env)

@@ -218,7 +218,7 @@ def _run_job(script: str, run, tmp_path, env, limit: int) -> str:
 
 
 @pytest.mark.slow
-def test_on_slurm_the_deepspeed_launcher_delivers_comma_values_whole(tmp_path):
+def test_on_slurm_the_deepspeed_launcher_delivers_comma_values_whole_and_slurms_ranks(tmp_path):
     slurm, stop = start_cluster_for_test(tmp_path / "slurm")
     try:
         # What srun does with DeepSpeed's kind of list for a variable that is not in its
@@ -228,7 +228,10 @@ def test_on_slurm_the_deepspeed_launcher_delivers_comma_values_whole(tmp_path):
                               "printenv", "NCCL_IB_HCA"], env=child_env(slurm),
                              capture_output=True, text=True, timeout=120)
         assert cut.stdout.strip() == "mlx5_0"
-        env = child_env({**slurm, "NCCL_IB_HCA": "mlx5_0,mlx5_1"})
+        # Submitted from a shell that holds a launcher's variables (a notebook on a DDP node):
+        # the ranks still come from SLURM.
+        env = child_env({**slurm, "NCCL_IB_HCA": "mlx5_0,mlx5_1", "RANK": "0",
+                         "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
         probe = tmp_path / "probe.py"
         probe.write_text(PROBE)
         run = RunDir(tmp_path / "run")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+from slurm_cluster import LAUNCHER_VARIABLES
 
 from data_pipeline.shard_writer import write_manifest, write_token_split
 from data_pipeline.shards import Manifest, id_dtype
@@ -81,7 +82,7 @@ def child_env(extra: dict | None = None) -> dict:
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_ext"))
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = str(ROOT)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for key in LAUNCHER_VARIABLES:
         env.pop(key, None)
     env.update(extra or {})
     return env
