@@ -34,7 +34,8 @@ Where this departs from the authors' code (both on purpose, both listed here):
   numbers exactly. Measured on the authors' published qa1-qa5 predictions (babilong_evals/
   in their repository: 99,504 outputs of two models), substring mode agrees with their code
   on every output; whole words change 14 verdicts ("Luxembourg Gardens" no longer names
-  "garden"; "the office of Gardening" no longer names it too), accuracy 0.5999 either way.
+  "garden", and "the office of Gardening" no longer names it as well as "office"),
+  accuracy 0.5999 either way.
 - A target that is not among the labels raises ValueError (their code returns False): it
   means the caller passed another task's labels, which would otherwise read as accuracy 0.
   (The parts of a comma-joined target are also stripped of spaces; the published targets
