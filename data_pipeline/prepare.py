@@ -5,6 +5,7 @@
     memtrain prepare --corpus text --train 'books/*.txt' --tokenizer hf:ckpt/gpt2 --out data/b
     memtrain tasks copy --src-len 24 --n-segments 3 --out data/copy24
     memtrain tasks copy --src-len 24 --tokenizer hf:ckpt/gpt2 --out data/copy24-gpt2
+    memtrain tasks babilong --tasks qa1,qa2 --lengths 0,1k --seg-len 128 --background b.txt ...
 
 `--tokenizer hf:<checkpoint directory or hub name>` writes the ids of a pretrained model's own
 tokenizer, which the manifest names and fingerprints (data_pipeline/hf_tokenizer.py); a run
@@ -19,6 +20,7 @@ option, value or input file) or 1 (a failed download or write).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -202,8 +204,13 @@ def main_prepare(argv: list[str] | None = None) -> int:
 
 
 def main_tasks(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "babilong":   # its own options (data_pipeline/babilong/cli.py)
+        from .babilong.cli import main_babilong
+        return main_babilong(argv[1:])
     p = _parser("memtrain tasks")
-    p.add_argument("name", help="copy, reverse, associative_retrieval or quadratic")
+    p.add_argument("name", help="copy, reverse, associative_retrieval, quadratic, or "
+                   "babilong (`memtrain tasks babilong --help`)")
     p.add_argument("--out", required=True)
     p.add_argument("--src-len", type=int)
     p.add_argument("--n-segments", type=int, default=1)

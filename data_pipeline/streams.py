@@ -219,7 +219,12 @@ class TokenStream:
 class EpisodeStream:
     """Episodic rows: episode e gives global row g the sample perm_epoch[e*B + g], cut into
     the task's segments; reset is True at each sample's first segment. Task splits are small
-    (100k samples of <= 181 ids), so they are read into memory once."""
+    (100k samples of <= 181 ids), so they are read into memory once.
+
+    Data sets holding several sample lengths (`memtrain tasks babilong --together`: rows
+    right-aligned in the longest length, manifest extra.babilong.length_rows) keep their
+    segment length: `set_segments(n)` then trains on the rows that are n segments long, read
+    as their last n segments, which is a curriculum over sample lengths."""
 
     def __init__(self, manifest: Manifest, split: str, global_batch: int, rank: int = 0,
                  world_size: int = 1, *, seed: int = 0, shuffle: bool = True,
@@ -228,32 +233,44 @@ class EpisodeStream:
             raise LayoutError(f"{manifest.location} holds {manifest.kind}, not task episodes")
         self.rows = rows_of_rank(global_batch, rank, world_size)
         self.global_batch, self.seed, self.shuffle = global_batch, seed, shuffle
+        self.split = split
         self.tokens, self.loss_mask, _ = read_episodes(manifest, split, url_template)
         self.seq_len = self.tokens.shape[1] - 1
         self.task_segments = int(manifest.extra["n_segments"])  # as the task was prepared
+        self.buckets = length_buckets(manifest, split)
         self.set_segments(self.task_segments if n_segments is None else n_segments)
-        self.episodes_per_epoch = self.tokens.shape[0] // global_batch
-        if self.episodes_per_epoch < 1:
-            raise LayoutError(f"split {split!r} has {self.tokens.shape[0]} samples, fewer "
-                              f"than the global batch {global_batch}")
         self.epoch, self.episode = 0, 0
 
     def set_segments(self, n_segments: int) -> None:
         """Cut every sample into `n_segments` equal segments from the next episode on (a
-        segment-count curriculum trains on 1, 2, ... segments of the same samples)."""
-        if n_segments < 1 or self.seq_len % n_segments:
-            works = ", ".join(str(d) for d in range(1, self.seq_len + 1)
-                              if self.seq_len % d == 0)
-            raise LayoutError(f"cannot cut samples of {self.seq_len} positions into "
-                              f"{n_segments} equal segments; segment counts that work: {works}")
+        segment-count curriculum trains on 1, 2, ... segments of the same samples); on a data
+        set of several lengths, train on its samples of `n_segments` segments."""
+        if self.buckets is not None:
+            if n_segments not in self.buckets:
+                raise LayoutError(f"split {self.split!r} has samples of "
+                                  f"{sorted(self.buckets)} segments, not {n_segments}")
+            self.seg_len = self.seq_len // self.task_segments
+            self.pool = self.buckets[n_segments]
+        else:
+            if n_segments < 1 or self.seq_len % n_segments:
+                works = ", ".join(str(d) for d in range(1, self.seq_len + 1)
+                                  if self.seq_len % d == 0)
+                raise LayoutError(f"cannot cut samples of {self.seq_len} positions into "
+                                  f"{n_segments} equal segments; segment counts that work: "
+                                  f"{works}")
+            self.seg_len = self.seq_len // n_segments
+            self.pool = np.arange(self.tokens.shape[0])
         self.n_segments = n_segments
-        self.seg_len = self.seq_len // n_segments
+        self.episodes_per_epoch = len(self.pool) // self.global_batch
+        if self.episodes_per_epoch < 1:
+            raise LayoutError(f"split {self.split!r} has {len(self.pool)} samples"
+                              f"{f' of {n_segments} segments' if self.buckets else ''}, "
+                              f"fewer than the global batch {self.global_batch}")
 
     def _order(self, epoch: int) -> np.ndarray:
-        n = self.tokens.shape[0]
         if not self.shuffle:
-            return np.arange(n)
-        return np.random.default_rng([self.seed, epoch]).permutation(n)
+            return self.pool
+        return self.pool[np.random.default_rng([self.seed, epoch]).permutation(len(self.pool))]
 
     def state_dict(self) -> dict:
         return {"kind": "episode_stream", "epoch": self.epoch, "episode": self.episode,
@@ -280,8 +297,9 @@ class EpisodeStream:
             for e in range(self.episode, self.episodes_per_epoch):
                 L = self.seg_len  # read per episode: set_segments may change it
                 idx = order[e * self.global_batch + np.asarray(self.rows)]
-                toks = torch.from_numpy(self.tokens[idx].astype(np.int64))
-                mask = torch.from_numpy(self.loss_mask[idx])
+                first = self.seq_len - self.n_segments * L  # > 0 only for shorter lengths
+                toks = torch.from_numpy(self.tokens[idx, first:].astype(np.int64))
+                mask = torch.from_numpy(self.loss_mask[idx, first:])
                 segs = [SegmentBatch(toks[:, s * L:s * L + L + 1].clone(),
                                      torch.full((len(idx),), s == 0),
                                      mask[:, s * L:(s + 1) * L].clone(), self.epoch, e)
@@ -289,3 +307,17 @@ class EpisodeStream:
                 self.episode = e + 1
                 yield segs
             self.epoch, self.episode = self.epoch + 1, 0
+
+
+def length_buckets(manifest: Manifest, split: str) -> dict[int, np.ndarray] | None:
+    """Row indices by segments per sample, for a data set holding several sample lengths
+    (data_pipeline/babilong/build.py, length_rows); None for data of one length."""
+    info = manifest.extra.get("babilong") or {}
+    ranges = (info.get("length_rows") or {}).get(split)
+    if not ranges or len({n for n, _, _ in ranges}) < 2:
+        return None
+    seg_len = int(info["seg_len"])
+    buckets: dict[int, list[np.ndarray]] = {}
+    for n, lo, hi in ranges:
+        buckets.setdefault(int(n) // seg_len, []).append(np.arange(lo, hi))
+    return {k: np.concatenate(v) for k, v in buckets.items()}

@@ -42,7 +42,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "prepare": ("data_pipeline.prepare", "main_prepare",
                 "tokenize a corpus into ordered webdataset shards + manifest"),
     "tasks": ("data_pipeline.prepare", "main_tasks",
-              "generate an RMT algorithmic task (copy, reverse, ...) as shards"),
+              "generate an RMT algorithmic task (copy, reverse, ...) or BABILong-style "
+              "samples as shards"),
 }
 
 

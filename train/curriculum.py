@@ -3,13 +3,16 @@
 The RMT follow-up (Bulatov et al. 2023, "Scaling Transformer to 1M tokens and beyond with
 RMT") reports that training straight on many segments fails where growing their number
 works. A stage here cuts the same samples into more, shorter segments
-(`EpisodeStream.set_segments`); the stage lives in the stream's state, so it is saved and
-restored with it. On token streams (no curriculum) every method is a no-op, which keeps the
-training loop free of regime checks.
+(`EpisodeStream.set_segments`), or, on a data set of several sample lengths (BABILong-style,
+`memtrain tasks babilong --together`), trains on its samples of that many segments. The
+stage lives in the stream's state, so it is saved and restored with it. On token streams
+(no curriculum) every method is a no-op, which keeps the training loop free of regime
+checks.
 """
 
 from __future__ import annotations
 
+from data_pipeline.streams import length_buckets
 from model import ConfigError
 
 from .config import CurriculumConfig
@@ -30,6 +33,13 @@ class SegmentCurriculum:
         if self.stages[-1] != n_task:
             raise ConfigError("curriculum.segments", f"must end at the task's {n_task} "
                               f"segments ({data_path}), got {self.stages}")
+        buckets = length_buckets(manifest, stream.split)
+        if buckets is not None:  # samples of several lengths: a stage is one of them
+            bad = [n for n in self.stages if n not in buckets]
+            if bad:
+                raise ConfigError("curriculum.segments", f"{data_path} has samples of "
+                                  f"{sorted(buckets)} segments, not {bad}")
+            return
         bad = [n for n in self.stages if positions % n]
         if bad:
             raise ConfigError("curriculum.segments", f"{bad} do not divide the task's "
