@@ -136,6 +136,7 @@ def build_parts(sel: Selection) -> list[Part]:
             loss.notes.append(f"No {metric} logged by {', '.join(missing)}.")
     parts.append(loss)
     parts.append(_sweep_part(sel, labels))
+    parts.append(_babilong_part(sel))
 
     speed = Part("speed", "Throughput and memory")
     values = [S.speed(r) for r in runs]
@@ -178,6 +179,22 @@ def _sweep_part(sel: Selection, labels: list[str]) -> Part:
             part.figures.append(Figure(f"sweep_{safe}_tgt{tgt}.png", f"Loss against "
                                        f"mem_len, {title}.", png))
         part.tables.append((title, S.sweep_table(sel.runs, c, s)))
+    return part
+
+
+def _babilong_part(sel: Selection) -> Part:
+    part = Part("babilong", "BABILong accuracy by task and length")
+    data = S.babilong(sel.runs)
+    if not data:
+        part.notes.append("No BABILong evaluation (babilong_<split>_<task>, from `memtrain "
+                          "eval --babilong`) logged by these runs.")
+        return part
+    part.notes.append("Accuracy of each bAbI task (rows) at each context length in tokens, "
+                      "one group of columns per run (Kuratov et al. 2024's table); the last "
+                      "`memtrain eval --babilong` of each run and length counts.")
+    for split, per_run in data.items():
+        runs = ", ".join(f"{S.key(i)} {sel.runs[i].name}" for i in sorted(per_run))
+        part.tables.append((f"{split} split: {runs}", S.babilong_table(sel.runs, per_run)))
     return part
 
 

@@ -36,6 +36,9 @@ CURVES = ("loss", "valid_loss", "tokens_per_s", "peak_mem_mb")
 REPORTED = ("bpc", "ppl", "accuracy")
 # Memory-length sweeps: the MLflow step of these is the evaluation mem_len, not a train step.
 SWEEP = re.compile(r"^sweep_(?P<split>.+)_loss_tgt(?P<tgt>\d+)$")
+# BABILong accuracies (evaluation/babilong_report.py): the step of these is the context
+# length in tokens; the task is the last part of the name (qa1, qa2, ...).
+BABILONG = re.compile(r"^babilong_(?P<split>.+)_(?P<task>[^_]+)$")
 # One-off `memtrain eval` results (evaluation/cli.py names them this way).
 ONE_OFF = re.compile(r"^eval_(?P<split>.+)_m(?P<mem>-?\d+)_l(?P<tgt>\d+)_loss$")
 # Expected of a finished run; each one missing makes the run "incomplete" in the report.
@@ -267,7 +270,7 @@ def read_run(client, run, experiment: str, scratch: Path) -> RunData:
     out.eval_report = _eval_report(client, info.run_id, scratch, out.problems)
     wanted = {*CURVES, f"valid_{out.reported_metric}"}
     for key in sorted(data.metrics):
-        if key in wanted or SWEEP.match(key):
+        if key in wanted or SWEEP.match(key) or BABILONG.match(key):
             try:
                 out.curves[key] = _by_step(client.get_metric_history(info.run_id, key))
             except Exception as err:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from .runs import ONE_OFF, SWEEP, RunData, Selection
+from .runs import BABILONG, ONE_OFF, SWEEP, RunData, Selection
 
 # Different in every run by design (the runs table names each run): not worth a column.
 IDENTITY_PARAMS = ("name", "run_dir")
@@ -234,6 +234,39 @@ def sweep_table(runs: list[RunData], curves: dict[int, list[tuple[int, float]]],
         rows.append([key(i), runs[i].name, *(cells.get(m, "") for m in mems)])
         keys.append(i)
     return Table(["#", "run", *(f"mem_len {m}" for m in mems)], rows, keys)
+
+
+# ---------------------------------------------------------------------------- BABILong
+def babilong(runs: list[RunData]) -> dict[str, dict[int, dict[str, dict[int, float]]]]:
+    """{split: {run index: {task: {length in tokens: accuracy}}}} of the babilong_<split>_
+    <task> metrics (evaluation/babilong_report.py logs the length as the metric's step)."""
+    out: dict[str, dict[int, dict[str, dict[int, float]]]] = {}
+    for i, r in enumerate(runs):
+        for name, points in r.curves.items():
+            m = BABILONG.match(name)
+            if m and points:
+                out.setdefault(m["split"], {}).setdefault(i, {})[m["task"]] = dict(points)
+    return dict(sorted(out.items()))
+
+
+def _task_order(task: str) -> tuple[int, str]:
+    digits = "".join(ch for ch in task if ch.isdigit())
+    return (int(digits) if digits else 1 << 30), task   # qa2 before qa10
+
+
+def babilong_table(runs: list[RunData], split_data: dict[int, dict[str, dict[int, float]]]
+                   ) -> Table:
+    """Task rows x (run, length) columns, one column group per run side by side: accuracy,
+    or "" where a run has no score for that task and length."""
+    tasks = sorted({t for per_run in split_data.values() for t in per_run}, key=_task_order)
+    header, columns = ["task"], []
+    for i in sorted(split_data):
+        lengths = sorted({n for pts in split_data[i].values() for n in pts})
+        header += [f"{key(i)} {n} tokens" for n in lengths]
+        columns += [(i, n) for n in lengths]
+    rows = [[t, *(num(split_data[i].get(t, {}).get(n), 3) if n in split_data[i].get(t, {})
+                  else "" for i, n in columns)] for t in tasks]
+    return Table(header, rows, [None] * len(rows))
 
 
 # ---------------------------------------------------------------------------- left out

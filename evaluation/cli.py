@@ -2,6 +2,8 @@
 
     memtrain eval --run-dir runs/quickstart [eval.mem_len=64 eval.split=test ...]
     memtrain eval --run-dir runs/quickstart --sweep [--multiples 1,2,4]   (evaluation/sweep.py)
+    memtrain eval --run-dir runs/babi --babilong data/babilong [--tasks qa1,qa2]
+                  [--lengths 0k,4k] [--samples 100]      (evaluation/babilong_report.py)
 
 The fp32 weights are consolidated from the checkpoint (any ZeRO stage) into a plain model;
 launched on several ranks (torchrun / srun), each rank reads its rows and the sums are
@@ -17,7 +19,7 @@ from datetime import timedelta
 
 import torch
 
-from data_pipeline.shards import load_manifest
+from data_pipeline.shards import ShardError, load_manifest
 from memtrain.command_line import CommandParser, error_line, invalid_config
 from model import ConfigError
 from train.config import RunConfig
@@ -28,6 +30,7 @@ from train.master_weights import checkpoint_weights
 from train.run_access import load_run_config, log_to_run, pick_checkpoint
 from train.run_dir import RunDir, atomic_write_json
 
+from .babilong_report import run_babilong
 from .sweep import format_table, run_sweep, save_and_log, sweep_grid
 
 
@@ -48,11 +51,38 @@ def main_eval(argv: list[str] | None = None) -> int:
                        help="explicit memory lengths instead of multiples")
     sweep.add_argument("--tgt-lens", type=_int_list, metavar="32,64",
                        help="segment lengths (default: the eval protocol's)")
+    babi = p.add_argument_group("BABILong (accuracy per bAbI task and context length)")
+    babi.add_argument("--babilong", metavar="DIR", help="score the BABILong data set in DIR "
+                      "(one folder per length, as `memtrain tasks babilong` writes)")
+    babi.add_argument("--tasks", type=_str_list, metavar="qa1,qa2,...",
+                      help="tasks to score (default: all in the data)")
+    babi.add_argument("--lengths", type=_str_list, metavar="0k,1k,...",
+                      help="length folders to score (default: all)")
+    babi.add_argument("--samples", type=int, default=0, metavar="N",
+                      help="at most N samples per task and length (default: all)")
     args = p.parse_intermixed_args(argv)
     try:
         cfg = load_run_config(args.run_dir, args.overrides)
     except ConfigError as err:
         return invalid_config("memtrain eval", err)
+    if args.babilong is None and (args.tasks or args.lengths or args.samples):
+        print("memtrain eval: --tasks/--lengths/--samples need --babilong", file=sys.stderr)
+        return 2
+    if args.babilong is not None:
+        if args.sweep or args.multiples or args.mem_lens or args.tgt_lens:
+            print("memtrain eval: --babilong and --sweep are separate evaluations; run them "
+                  "one at a time", file=sys.stderr)
+            return 2
+        if args.samples < 0:
+            print("memtrain eval: --samples must be >= 0", file=sys.stderr)
+            return 2
+        try:
+            report = run_babilong(cfg, args.checkpoint, args.babilong, tasks=args.tasks,
+                                  lengths=args.lengths, samples=args.samples,
+                                  track=not args.no_track)
+        except (FileNotFoundError, ValueError, ShardError) as err:  # ConfigError: a ValueError
+            return error_line("memtrain eval", err, code=2)
+        return 0 if report else 1
     try:
         points = None
         if args.sweep:
@@ -74,6 +104,10 @@ def _int_list(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of "
                                           "integers") from None
+
+
+def _str_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def run_eval(cfg: RunConfig, checkpoint: str | None, track: bool = True,

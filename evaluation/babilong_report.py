@@ -1,0 +1,158 @@
+"""`memtrain eval --babilong`: the run's checkpoint scored on a BABILong data set, and the
+result written as BABILong reports it (Kuratov et al. 2024, Fig. 1 and §3: accuracy of each
+task at each length, a heatmap of tasks x lengths).
+
+Into <run_dir>/eval/: babilong_<checkpoint>_<split>_<time>.json (every cell with its number
+of samples, chance and a few outputs), .md (task rows x length columns) and .png (the
+heatmap); into the run's MLflow run one metric per task, babilong_<split>_<task>, whose step
+is the length in tokens (as the memory-length sweep logs its curve against mem_len), and the
+three files as artifacts. `memtrain compare` shows those metrics side by side
+(compare/summary.py babilong_table).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from data_pipeline.shards import load_manifest
+from model import ConfigError
+from train.config import RunConfig
+from train.distributed import resolve_env
+from train.evaluate import protocol_for
+from train.export import load_weights
+from train.run_access import log_to_run, pick_checkpoint
+from train.run_dir import RunDir, atomic_write_json
+
+from .babilong import evaluate_babilong, find_folders
+from .generate_cli import DataIds
+
+
+def run_babilong(cfg: RunConfig, checkpoint: str | None, data: str, *, tasks=None,
+                 lengths=None, samples: int = 0, track: bool = True) -> dict | None:
+    """Score the checkpoint on every (task, length) of the BABILong data at `data`."""
+    if resolve_env().world_size > 1:
+        raise ValueError("--babilong runs on one process (its rows are few and generated one "
+                         "token at a time); launch `memtrain eval --babilong` without "
+                         "torchrun/srun")
+    proto = protocol_for(cfg)
+    folders, tasks = find_folders(data, proto.split, tasks, lengths)
+    info = pick_checkpoint(cfg, checkpoint)
+    if info is None:
+        print(f"memtrain eval: no complete checkpoint in {cfg.resolved_run_dir}",
+              file=sys.stderr)
+        return None
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    base = load_weights(info, cfg.model).to(device)
+    model = _fit_vocab(base, folders[0].manifest, cfg.data.path)
+    with base.using_lengths(proto.mem_len, proto.clamp_len, proto.same_length):
+        result = evaluate_babilong(model, folders, proto.split, tasks, seg_len=proto.tgt_len,
+                                   batch=proto.batch, device=device, samples=samples,
+                                   progress=lambda line: print(line, flush=True))
+    result.update(checkpoint=info.path.name, step=info.step, data=str(data),
+                  mechanism=cfg.model.mechanism, mem_len=proto.mem_len,
+                  clamp_len=proto.clamp_len)
+    print(format_table(result), flush=True)
+    path = save_and_log(cfg, result, info.step, info.tag, track)
+    print(f"BABILong table written to {path} (and its .md, .png)", flush=True)
+    return result
+
+
+def _fit_vocab(model, manifest, run_data: str):
+    """The model, checked against the data's ids (as `memtrain generate` checks them): a
+    native model has exactly the data's vocabulary, a pretrained one at least its ids (and
+    then samples only those)."""
+    if manifest.vocab_size > model.cfg.vocab_size or (
+            model.cfg.backbone != "hf" and manifest.vocab_size != model.cfg.vocab_size):
+        raise ConfigError("model.vocab_size", f"the model has {model.cfg.vocab_size} ids but "
+                          f"the BABILong data at {manifest.location} have {manifest.vocab_size}")
+    try:
+        trained = load_manifest(run_data).vocab_fingerprint if run_data else None
+    except Exception:  # the training data need not be reachable where the scoring runs
+        trained = None
+    if trained and trained != manifest.vocab_fingerprint:
+        raise ConfigError("--babilong", f"the data at {manifest.location} were written with "
+                          f"another vocabulary than the run's training data ({run_data})")
+    return DataIds(model, manifest.vocab_size) if manifest.vocab_size < model.cfg.vocab_size \
+        else model
+
+
+# ---------------------------------------------------------------------------- rendering
+def grid(result: dict) -> tuple[list[str], list[tuple[str, int]], dict]:
+    """(tasks, [(length label, tokens)], {(task, tokens): cell})."""
+    cells = {(c["task"], c["length"]): c for c in result["cells"]}
+    lengths = [(x["label"], x["length"]) for x in result["lengths"]]
+    return list(result["tasks"]), lengths, cells
+
+
+def _chance(cells: dict, task: str) -> float:
+    return next((c["chance"] for (t, _), c in cells.items() if t == task), math.nan)
+
+
+def format_table(result: dict) -> str:
+    """Markdown: one row per task, one column per length, accuracy (n) in each cell, and
+    chance (1 / the number of the task's labels)."""
+    tasks, lengths, cells = grid(result)
+    lines = [f"BABILong accuracy on {result['split']} ({result.get('checkpoint', '?')}, "
+             f"segments of {result['seg_len']} tokens, greedy answers of up to the answer "
+             "field's length); cell: accuracy (samples)", "",
+             "| task | " + " | ".join(f"{lab} ({n})" for lab, n in lengths) + " | chance |",
+             "|---|" + "---|" * (len(lengths) + 1)]
+    for task in tasks:
+        row = []
+        for _, n in lengths:
+            c = cells.get((task, n))
+            row.append("-" if c is None or not c["n"] else f"{c['accuracy']:.3f} ({c['n']})")
+        lines.append(f"| {task} | " + " | ".join(row) + f" | {_chance(cells, task):.3f} |")
+    return "\n".join(lines)
+
+
+def plot_heatmap(result: dict, out_png: Path) -> Path:
+    """Tasks x lengths, the accuracy written in each cell (BABILong's figures)."""
+    # matplotlib (~0.4 s to import) only when a table is drawn
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    tasks, lengths, cells = grid(result)
+    values = [[cells[(t, n)]["accuracy"] if (t, n) in cells and cells[(t, n)]["n"]
+               else math.nan for _, n in lengths] for t in tasks]
+    fig = Figure(figsize=(1.2 + 0.9 * len(lengths), 1.0 + 0.55 * len(tasks)))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    im = ax.imshow(values, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+    for i, row in enumerate(values):
+        for j, v in enumerate(row):
+            ax.text(j, i, "-" if math.isnan(v) else f"{100 * v:.0f}", ha="center",
+                    va="center", fontsize=9)
+    ax.set_xticks(range(len(lengths)), [lab for lab, _ in lengths])
+    ax.set_yticks(range(len(tasks)), tasks)
+    ax.set(xlabel="context length", title=f"BABILong accuracy (%), {result['split']}")
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=100, bbox_inches="tight")
+    return out_png
+
+
+def metric_name(split: str, task: str) -> str:
+    return f"babilong_{split}_{task}"
+
+
+def save_and_log(cfg: RunConfig, result: dict, step: int, tag: str, track: bool) -> Path:
+    """JSON, markdown and heatmap into <run_dir>/eval/; metrics and files into MLflow."""
+    out_dir = RunDir(cfg.resolved_run_dir).eval_dir
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"babilong_{tag}_{result['split']}_{time.strftime('%Y%m%d-%H%M%S')}"
+    path = atomic_write_json(out_dir / f"{stem}.json", result)
+    md = out_dir / f"{stem}.md"
+    md.write_text(format_table(result) + "\n", encoding="utf-8")
+    png = plot_heatmap(result, out_dir / f"{stem}.png")
+    if track and cfg.tracking.enabled:
+        curve = [(metric_name(result["split"], c["task"]), c["accuracy"], c["length"])
+                 for c in result["cells"] if c["n"]]
+        log_to_run(cfg, step, None, [(p, out_dir.name) for p in (path, md, png)],
+                   metric_steps=curve)
+    return path
