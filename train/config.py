@@ -93,9 +93,12 @@ class CurriculumConfig:
     Transformer to 1M tokens and beyond with RMT", §3) reports that training straight on many
     segments fails and growing their number works. Here every stage cuts the same samples into
     more, shorter segments, so the memory has to carry more of each sample from stage to
-    stage; the last stage is the task's own segment count."""
+    stage; the last stage is the task's own segment count. On a data set of several sample
+    lengths (`memtrain tasks babilong --together`) a stage is instead the samples that are
+    that many segments long: a curriculum over lengths at a fixed segment length."""
 
-    # Segment counts, increasing, e.g. [1, 2, 3, 6]; each must divide the task's positions.
+    # Segment counts, increasing, e.g. [1, 2, 3, 6]; each must divide the task's positions
+    # (several-length data sets: each must be one of its lengths, in segments).
     # Empty: no curriculum (the task's own segment count from the first step).
     segments: list[int] = field(default_factory=list)
     # "steps": next stage every `every` optimizer steps; "accuracy": next stage at the first

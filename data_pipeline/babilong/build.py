@@ -37,12 +37,16 @@ K = 1024  # "1k" = 1024 tokens: lengths are whole segments of power-of-two sizes
 
 
 def parse_length(text: str) -> int:
-    """'0', '512', '1k', '64k' -> tokens (k = 1024)."""
+    """'0', '512', '1k', '64k', '1M' -> tokens (k = 1024, M = 1024k). BABILong's published
+    lengths are thousands of GPT-2 tokens; its files keep their own labels
+    (`--official`)."""
     t = text.strip().lower()
+    scale = {"k": K, "m": K * K}.get(t[-1:], 1)
     try:
-        n = int(t[:-1]) * K if t.endswith("k") else int(t)
+        n = int(t[:-1] if scale > 1 else t) * scale
     except ValueError:
-        raise ValueError(f"length {text!r}: write tokens as 512, 1k, 64k (k = 1024)") from None
+        raise ValueError(f"length {text!r}: write tokens as 512, 1k, 64k, 1M "
+                         "(k = 1024)") from None
     if n < 0:
         raise ValueError(f"length {text!r} is negative")
     return n
