@@ -25,7 +25,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # torch requirement to the newest CUDA build (several GB).
     "$VENV/bin/python" -m pip install --quiet "$TORCH_SPEC" deepspeed==0.19.8 \
         webdataset==1.0.2 mlflow==3.17.2 huggingface_hub transformers==5.24.0 peft==0.21.2 \
-        accelerate==1.15.0 \
+        accelerate==1.15.0 lm-eval==0.4.13 \
         -e ".[dev]"
     echo "$want" > "$stamp"
 fi
