@@ -59,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="bytes",
                    help="bytes (default), chars, bpe or hf:<checkpoint>: the model's tokens")
     p.add_argument("--tokenizer-revision", default="")
+    p.add_argument("--bpe-vocab-size", type=int, default=1000,
+                   help="with --tokenizer bpe: merges learned from the train background")
     p.add_argument("--official", metavar="DIR", help="BABILong's published files on disk")
     p.add_argument("--together", action="store_true",
                    help="one data set holding every length (a length curriculum trains on "
@@ -105,6 +107,7 @@ def _open_background(args):
     if args.corpus in ("enwik8", "text8") and tokenizer == "bytes":
         tokenizer = "bytes"
     return open_corpus(name, args.data_dir, tokenizer=tokenizer, files=files,
+                       bpe_vocab_size=args.bpe_vocab_size,
                        valid_fraction=0.1, test_fraction=0.1, progress=False,
                        tokenizer_revision=args.tokenizer_revision)
 
