@@ -207,9 +207,16 @@ def _score_fn():
     return is_correct
 
 
-def decode_answer(vocab, ids: list[int]) -> str:
+def stop_text(folder: LengthFolder) -> str:
+    """What ends an answer: the data set's stop as its manifest records it, else a newline."""
+    layout = folder.manifest.extra["babilong"].get("layout")
+    stop = layout.get("stop") if isinstance(layout, dict) else None
+    return stop if isinstance(stop, str) and stop else STOP_TEXT
+
+
+def decode_answer(vocab, ids: list[int], stop: str = STOP_TEXT) -> str:
     """The generated answer as text, up to its stop."""
-    return vocab.decode(ids).split(STOP_TEXT, 1)[0]
+    return vocab.decode(ids).split(stop, 1)[0]
 
 
 @torch.no_grad()
@@ -230,7 +237,7 @@ def score_folder(model, folder: LengthFolder, split: str, tasks: list[str], *, s
     """({task: Cell} of one length folder, ids read and generated)."""
     score = score or _score_fn()
     vocab = vocab or vocab_from_dict(folder.manifest.vocab)
-    a = folder.answer_tokens
+    a, stop = folder.answer_tokens, stop_text(folder)
     cells = {t: Cell(t, folder.length, folder.label,
                      chance=1 / len(folder.labels[t]) if folder.labels.get(t) else float("nan"))
              for t in tasks if t in folder.tasks}
@@ -241,7 +248,7 @@ def score_folder(model, folder: LengthFolder, split: str, tasks: list[str], *, s
         n_ids += prompt.numel() + len(recs) * a
         for rec, ids in zip(recs, new, strict=True):
             cell = cells[rec["task"]]
-            output = decode_answer(vocab, ids)
+            output = decode_answer(vocab, ids, stop)
             ok = bool(score(output, rec["target"], rec["question"], folder.labels[cell.task]))
             cell.n += 1
             cell.correct += ok

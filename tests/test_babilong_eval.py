@@ -17,9 +17,11 @@ from compare_helpers import REAL_EXP, _compare, _experiment, synthetic_run
 from reference import sharpened_model
 from train_helpers import train_in_process
 
+from data_pipeline.babilong.cli import main_babilong
 from data_pipeline.shard_writer import write_episode_split, write_manifest
 from data_pipeline.shards import Manifest, id_dtype
 from data_pipeline.vocab import WordVocab
+from data_pipeline.vocabs import vocab_from_dict
 from evaluation import babilong as B
 from evaluation.babilong_score import is_correct
 from evaluation.cli import main_eval
@@ -94,15 +96,15 @@ def data(tmp_path_factory):
 # ---------------------------------------------------------------------------- stub models
 class Oracle(torch.nn.Module):
     """A model of the segment protocol whose memory is every id it was fed (an XL cache of
-    unbounded length) and whose log-probability sits on the target's ids of the row it
-    recognises by its whole prompt, or with `wrong` on another room's (not the question's:
-    BABILong ignores a label the question names). A lost memory means an unknown prompt,
-    for which it predicts the stop: an empty, wrong answer."""
+    unbounded length) and whose log-probability sits on the ids `answers` gives for the row
+    it recognises by its whole prompt, then on the stop. A lost memory means an unknown
+    prompt, for which it predicts the stop at once: an empty, wrong answer."""
 
-    def __init__(self, answers: dict[tuple, str], prompt_len: int, wrong: bool = False):
+    def __init__(self, answers: dict[tuple, list[int]], prompt_len: int, stop: int,
+                 vocab_size: int):
         super().__init__()
-        self.cfg = SimpleNamespace(tgt_len=SEG, vocab_size=len(VOCAB), backbone="native")
-        self.answers, self.prompt_len, self.wrong = answers, prompt_len, wrong
+        self.cfg = SimpleNamespace(tgt_len=SEG, vocab_size=vocab_size, backbone="native")
+        self.answers, self.prompt_len, self.stop = answers, prompt_len, stop
 
     def initial_state(self, batch_size, device=None):
         return XLMemory(hids=[torch.zeros(batch_size, 0, 1)],
@@ -110,25 +112,31 @@ class Oracle(torch.nn.Module):
 
     def forward(self, tokens, state=None, return_log_probs=False, **_):
         seen = torch.cat([state.hids[0][..., 0].long(), tokens], dim=1)
-        log_probs = torch.full((*tokens.shape, len(VOCAB)), -30.0)
+        log_probs = torch.full((*tokens.shape, self.cfg.vocab_size), -30.0)
         for b, row in enumerate(seen.tolist()):
-            target = self.answers.get(tuple(row[:self.prompt_len]))
+            ids = self.answers.get(tuple(row[:self.prompt_len]), [])
             at = len(row) - self.prompt_len
-            nxt = STOP
-            if target is not None and at == 0:
-                nxt = VOCAB.index[next(r for r in ROOMS if r != target) if self.wrong
-                                  else target]
-            log_probs[b, -1, nxt] = 0.0
+            log_probs[b, -1, ids[at] if 0 <= at < len(ids) else self.stop] = 0.0
         new = XLMemory(hids=[seen[..., None].float()], length=state.length + tokens.shape[1])
         return LMOutput(state=new, log_probs=log_probs if return_log_probs else None)
 
 
 def _oracle(folder, wrong=False):
+    """The row's own answer field, or with `wrong` another label of the task that the
+    question does not name (BABILong ignores a label the question names)."""
+    vocab = vocab_from_dict(folder.manifest.vocab)
+    stop = int(vocab.encode(B.stop_text(folder))[-1])
     answers = {}
-    for toks, recs in B.iter_batches(folder, "test", 100, list(TASKS)):
+    for toks, recs in B.iter_batches(folder, "test", 100, folder.tasks):
         for row, rec in zip(toks, recs, strict=True):
-            answers[tuple(row[:-A].tolist())] = rec["target"]
-    return Oracle(answers, folder.manifest.chunk_tokens - A, wrong)
+            ids = row[-folder.answer_tokens:].tolist()
+            if wrong:
+                other = next(x for x in folder.labels[rec["task"]]
+                             if x != rec["target"] and x not in rec["question"].lower())
+                ids = vocab.encode(" " + other).tolist()
+            answers[tuple(row[:-folder.answer_tokens].tolist())] = ids
+    return Oracle(answers, folder.manifest.chunk_tokens - folder.answer_tokens, stop,
+                  folder.manifest.vocab_size)
 
 
 @pytest.mark.parametrize("wrong", [False, True])
@@ -147,6 +155,27 @@ def test_a_model_that_names_the_target_scores_one_and_one_naming_another_room_ze
             ex = cell.examples[0]
             assert ex["output"].strip() in ROOMS
             assert is_correct(ex["output"], ex["target"], ex["question"], ROOMS) is not wrong
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_the_data_memtrain_tasks_babilong_writes_are_scored_by_the_same_rule(tmp_path, wrong):
+    rng = np.random.default_rng(0)
+    words = ["the", "a", "cat", "sat", "on", "mat", "river", "ran", "fast", "slow", "house"]
+    (tmp_path / "bg.txt").write_text("\n".join(
+        " ".join(rng.choice(words, rng.integers(5, 12))).capitalize() + "."
+        for _ in range(2000)))
+    out = tmp_path / "data"
+    assert main_babilong(["--out", str(out), "--tasks", "qa1,qa2", "--lengths", "0,1k",
+                          "--seg-len", "128", "--background", str(tmp_path / "bg.txt"),
+                          "--train-size", "1", "--valid-size", "1", "--test-size", "3",
+                          "--max-facts", "4"]) == 0
+    folders, tasks = B.find_folders(out, "test", lengths=["1k", "0k"])
+    assert [f.length for f in folders] == [0, 1024] and tasks == ["qa1", "qa2"]
+    for folder in folders:
+        cells, _ = B.score_folder(_oracle(folder, wrong), folder, "test", tasks, seg_len=128,
+                                  batch=4, device=torch.device("cpu"))
+        assert {t: (c.n, c.accuracy) for t, c in cells.items()} == {
+            t: (3, 0.0 if wrong else 1.0) for t in tasks}
 
 
 def test_an_oracle_that_loses_its_memory_between_segments_scores_zero(data):
