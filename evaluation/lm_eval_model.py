@@ -1,7 +1,7 @@
 """A trained memtrain run as an lm-evaluation-harness model ("memtrain", lm-eval 0.4.13).
 
     python -m evaluation.lm_eval_model run --model memtrain \\
-        --model_args run_dir=runs/quickstart,batch_size=8 --tasks <tasks> [--include_path DIR]
+        --model_args run_dir=runs/quickstart --batch_size 8 --tasks <tasks> [--include_path DIR]
 
 Importing this module registers the model with lm-eval; `python -m evaluation.lm_eval_model`
 is lm-eval's own command line with the model registered (docs/lm-eval.md). From Python:
@@ -39,6 +39,7 @@ token ids in decimal separated by spaces ("3 1 4"), as `memtrain generate --prom
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -52,6 +53,7 @@ from evaluation.generate_cli import load_for_generation
 from model import stream_generate
 
 MEMORY_MODES = ("carry", "reset")
+log = logging.getLogger(__name__)
 
 
 class IdText:
@@ -115,7 +117,12 @@ class MemtrainLM(LM):
             model, vocab = load_for_generation(Path(run_dir), data)
         if mem_len is not None:
             model.set_lengths(mem_len=int(mem_len))
-        self._device = torch.device(device or "cpu")
+        self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self._device.type == "cuda" and not torch.cuda.is_available():
+            # lm-eval's command line asks for cuda:0 unless told otherwise.
+            log.warning("memtrain: device %s asked for but CUDA is not available: using the "
+                        "CPU", device)
+            self._device = torch.device("cpu")
         self.model = model.to(self._device).eval()
         self.runner = self.model if memory == "carry" else FreshMemory(self.model)
         self.vocab = vocab if vocab is not None else IdText()

@@ -221,6 +221,14 @@ def test_generation_with_a_fresh_memory_per_segment_follows_the_reset_reading(ex
     assert got != carried
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback without CUDA")
+def test_lm_evals_default_cuda_device_falls_back_to_the_cpu_without_cuda(exported):
+    path, data, _ = exported["xl"]
+    lm = MemtrainLM(run_dir=path, data=data, device="cuda:0")  # lm-eval's command line default
+    assert lm.device == torch.device("cpu")
+    assert next(lm.model.parameters()).device.type == "cpu"
+
+
 def test_sampling_requests_are_refused(exported):
     with pytest.raises(ValueError, match="greedy"):
         adapter(exported, "xl").generate_until([req("ab", {"do_sample": True})])
