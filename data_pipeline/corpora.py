@@ -354,13 +354,15 @@ def open_corpus(name: str, data_dir: str | Path, *, download: bool = False,
                 files: dict[str, list[str]] | None = None,
                 valid_fraction: float = 0.05, test_fraction: float = 0.05,
                 progress: bool = True, heldout_bytes: int | None = None,
-                xl_compat: bool = True, tokenizer_revision: str = "") -> Corpus:
+                xl_compat: bool = True, tokenizer_revision: str = "",
+                tokenizer_gguf_file: str = "") -> Corpus:
     """Open benchmark `name` in `data_dir` (see the module docstring for layouts and splits).
 
     tokenizer: enwik8/text8 "symbols" (default) or "bytes"; wt103/wt2/ptb "words"; text
     "bytes" (default), "chars" or "bpe" (trained on train with `bpe_vocab_size`); text and
     wt103/wt2/ptb also "hf:<checkpoint dir or hub name>", a pretrained model's own tokenizer
-    (at `tokenizer_revision`; hf_tokenizer.py).
+    (at `tokenizer_revision`, or from the GGUF file `tokenizer_gguf_file` in that
+    directory; hf_tokenizer.py).
     heldout_bytes: enwik8/text8 size of valid and of test (default 5,000,000).
     xl_compat: Transformer-XL's enwik8/text8 symbol streams (module docstring).
     Relative globs in `files` are taken relative to `data_dir`.
@@ -377,7 +379,8 @@ def open_corpus(name: str, data_dir: str | Path, *, download: bool = False,
         raise ValueError(f"files= is for the 'text' corpus; {name} has fixed files")
     if tokenizer_revision and checkpoint is None:
         raise ValueError("a tokenizer revision is for --tokenizer hf:<checkpoint>")
-    hf_vocab = None if checkpoint is None else HFVocab.load(checkpoint, tokenizer_revision)
+    hf_vocab = None if checkpoint is None else HFVocab.load(checkpoint, tokenizer_revision,
+                                                             tokenizer_gguf_file)
     data_dir = Path(data_dir)
     if name in ("enwik8", "text8"):
         return _open_char_benchmark(name, data_dir, download, tokenizer, heldout_bytes,

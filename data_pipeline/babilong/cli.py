@@ -59,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default="bytes",
                    help="bytes (default), chars, bpe or hf:<checkpoint>: the model's tokens")
     p.add_argument("--tokenizer-revision", default="")
+    p.add_argument("--tokenizer-gguf-file", default="",
+                   help="with hf:<directory>: read the tokenizer from this GGUF file in it")
     p.add_argument("--bpe-vocab-size", type=int, default=1000,
                    help="with --tokenizer bpe: merges learned from the train background")
     p.add_argument("--official", metavar="DIR", help="BABILong's published files on disk")
@@ -109,7 +111,8 @@ def _open_background(args):
     return open_corpus(name, args.data_dir, tokenizer=tokenizer, files=files,
                        bpe_vocab_size=args.bpe_vocab_size,
                        valid_fraction=0.1, test_fraction=0.1, progress=False,
-                       tokenizer_revision=args.tokenizer_revision)
+                       tokenizer_revision=args.tokenizer_revision,
+                       tokenizer_gguf_file=args.tokenizer_gguf_file)
 
 
 def _tasks(text: str) -> list[str]:
@@ -201,7 +204,7 @@ def _vocab_only(args):
     from ..vocab import ByteVocab
     checkpoint = hf_name(args.tokenizer)
     if checkpoint is not None:
-        return HFVocab.load(checkpoint, args.tokenizer_revision)
+        return HFVocab.load(checkpoint, args.tokenizer_revision, args.tokenizer_gguf_file)
     if args.tokenizer == "bytes":
         return ByteVocab()
     if args.background or args.corpus:
