@@ -1,0 +1,232 @@
+"""Associative memory of ARMT (Rodkin, Kuratov, Bulatov, Burtsev 2024, arXiv 2407.04841).
+
+ARMT keeps RMT's memory tokens, but what crosses the segment boundary is not the tokens:
+every layer l owns an associative matrix A_l [d_phi, d_v] and a normaliser z_l [d_phi].
+At segment s (the paper's section on the associative block; its text was not reachable
+from here, so the equations below are written out in words and follow the authors' code,
+modeling_amt/language_modeling.py of RodkinIvan/associative-recurrent-memory-transformer):
+
+  read, before layer l, for every position t of the segment (memory tokens included):
+      q_t = W_q h_t,   o_t = phi(q_t)^T A / (phi(q_t)^T z + eps),   h_t <- h_t + o_t
+  write, from layer l's OUTPUT at the m memory tokens m_1..m_m of the segment:
+      k_i = W_k m_i,  v_i = W_v m_i,  beta_i = sigmoid(w_b^T m_i + b)        (importance)
+      vbar_i  = phi(k_i)^T A / (phi(k_i)^T z + eps)       value already stored under k_i
+      gamma_i = clip(1 - phi(k_i)^T z / (|phi(k_i)|^2 + eps), 0, 1), stop-gradient
+      A <- A + sum_i beta_i phi(k_i) (v_i - vbar_i)^T                      (delta rule)
+      z <- z + sum_i gamma_i phi(k_i)
+  eps = 1e-5 in every denominator (authors' code).
+
+All m memory tokens of a segment are written at once against the state before the
+segment (vbar and gamma use the old A and z), as the authors' code does: it is one
+parallel update per segment, not m sequential ones. gamma is the authors' "correction":
+a key already counted in z (|phi(k)|^2 = phi(k)^T z for a key orthogonal to the others)
+does not grow z again, so rewriting a stored key keeps reading back one value, not a
+mean. With A = 0 and z = 0 these formulas give vbar = 0 and gamma = 1, exactly the
+authors' special case for the first segment, so a zeroed row IS a fresh document and
+no "first segment" flag is needed.
+
+phi is DPFP (Schlag, Irie, Schmidhuber 2021, "Linear Transformers Are Secretly Fast Weight
+Programmers", the deterministic parameter-free projection), nu = 3 in the authors' code:
+r = [relu(x), relu(-x)] (2d entries), phi(x) = [r * roll(r, 1), ..., r * roll(r, nu)],
+2 nu d entries, all >= 0. The identity map is the alternative left commented out in the
+authors' code; elu(x) + 1 (Katharopoulos et al. 2020) is the usual linear-attention map,
+offered for comparison (not from the ARMT code). With the identity map phi^T z can be
+negative or zero and the normaliser is unsafe; it is there for ablations only.
+
+Dtypes. A and z are float32 whatever the model's dtype (AssociativeMemory.fp32_fields;
+read/write compute in float32, or float64 if that is what comes in). Why: z is a running
+sum over every segment of a document; in bfloat16 (8 significant bits) adding a term of
+size 1 to a sum of 256 is lost, so after a few hundred segments z stops growing while A
+keeps changing, and every read's normaliser is wrong. The delta rule subtracts vbar from
+v, a cancellation that half precision turns into noise, and DPFP squares its inputs
+(fp16 overflows at |k| > 256). The projections run in the module's dtype (bf16 under
+mixed precision); only phi, the einsums and the divisions are float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .memory import MemoryState, XLMemory, _register, _zero_rows
+
+EPS = 1e-5  # the authors' code adds 1e-5 to every denominator
+FEATURE_MAPS = ("dpfp", "identity", "elu")
+
+
+def dpfp(x: torch.Tensor, nu: int = 3) -> torch.Tensor:
+    """DPFP feature map over the last dim: [..., d] -> [..., 2 nu d], non-negative."""
+    r = torch.cat([F.relu(x), F.relu(-x)], dim=-1)
+    rolled = torch.cat([r.roll(shifts=j, dims=-1) for j in range(1, nu + 1)], dim=-1)
+    return r.repeat(*([1] * (r.dim() - 1)), nu) * rolled
+
+
+class FeatureMap(nn.Module):
+    """phi: 'dpfp' (nu), 'identity' or 'elu' (elu + 1). No parameters."""
+
+    def __init__(self, kind: str = "dpfp", nu: int = 3):
+        super().__init__()
+        if kind not in FEATURE_MAPS:
+            raise ValueError(f"feature map {kind!r}; expected one of {FEATURE_MAPS}")
+        if kind == "dpfp" and nu < 1:
+            raise ValueError(f"dpfp needs nu >= 1, got {nu}")
+        self.kind, self.nu = kind, nu
+
+    def out_dim(self, d: int) -> int:
+        return 2 * self.nu * d if self.kind == "dpfp" else d
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "dpfp":
+            return dpfp(x, self.nu)
+        if self.kind == "elu":
+            return F.elu(x) + 1
+        return x
+
+    def extra_repr(self) -> str:
+        return f"{self.kind}, nu={self.nu}" if self.kind == "dpfp" else self.kind
+
+
+@_register
+@dataclass
+class AssociativeMemory(MemoryState):
+    """ARMT state: per layer the association matrix A [B, n_layer, d_phi, d_v] and the
+    normaliser z [B, n_layer, d_phi] (float32, see the module docstring), `writes` [B]
+    (segments written since the row's document started; 0 = fresh), and optionally the
+    XL cache of the previous segment (the authors' sliding-window mode attends to the
+    previous segment's keys and values; None when unused).
+
+    Not detached by the write: gradients flow through A and z into earlier segments until
+    the caller detaches the state (the BPTT depth, as for RMTMemory)."""
+
+    kind: ClassVar[str] = "armt"
+    fp32_fields: ClassVar[tuple[str, ...]] = ("A", "z")
+    A: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, 0, 0))
+    z: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, 0))
+    writes: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    cache: XLMemory | None = None
+
+    @property
+    def length(self) -> torch.Tensor:  # rows, for the generic batch_size / select_rows
+        return self.writes
+
+    @property
+    def n_layer(self) -> int:
+        return int(self.A.shape[1])
+
+    @classmethod
+    def zeros(cls, batch: int, n_layer: int, d_phi: int, d_value: int, device=None,
+              dtype: torch.dtype = torch.float32) -> AssociativeMemory:
+        """The empty memory (every row a fresh document)."""
+        return cls(A=torch.zeros(batch, n_layer, d_phi, d_value, device=device, dtype=dtype),
+                   z=torch.zeros(batch, n_layer, d_phi, device=device, dtype=dtype),
+                   writes=torch.zeros(batch, dtype=torch.long, device=device))
+
+    def layer(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A_l [B, d_phi, d_v], z_l [B, d_phi]) of layer l."""
+        return self.A[:, l], self.z[:, l]
+
+    def written(self, A_layers: list[torch.Tensor], z_layers: list[torch.Tensor],
+                cache: XLMemory | None = None) -> AssociativeMemory:
+        """New state after one segment: each layer's written (A_l', z_l'), one more write."""
+        if len(A_layers) != len(z_layers):
+            raise ValueError(f"{len(A_layers)} matrices but {len(z_layers)} normalisers")
+        return AssociativeMemory(A=torch.stack(A_layers, dim=1), z=torch.stack(z_layers, dim=1),
+                                 writes=self.writes + 1, cache=cache)
+
+    def reset_rows(self, mask: torch.Tensor) -> AssociativeMemory:
+        # Zeroed with torch.where, so a NaN/Inf in a reset row (an overflow) is replaced, not
+        # multiplied; A = 0, z = 0 is exactly a fresh document (module docstring).
+        m = mask.to(self.writes.device)
+        cache = self.cache.reset_rows(mask) if self.cache is not None else None
+        return AssociativeMemory(A=_zero_rows(self.A, mask), z=_zero_rows(self.z, mask),
+                                 writes=torch.where(m, torch.zeros_like(self.writes),
+                                                    self.writes),
+                                 cache=cache)
+
+
+class AssociativeLayer(nn.Module):
+    """One layer's associative block: `read` before the layer, `write` after it.
+
+    d_key is the width of q and k before phi (the authors' d_mem); d_phi = phi's output
+    width; d_value defaults to d_model as in the authors' code (values are added to the
+    hidden states); a different d_value adds an output projection d_value -> d_model.
+    W_v starts at zero (authors' code), so at initialisation every read returns 0 and the
+    block leaves the backbone unchanged. use_gate=False fixes beta = 1; correction=False
+    fixes gamma = 1 (the authors' --no_correction).
+    """
+
+    def __init__(self, d_model: int, d_key: int, d_value: int | None = None,
+                 feature_map: str = "dpfp", nu: int = 3, use_gate: bool = True,
+                 correction: bool = True, eps: float = EPS):
+        super().__init__()
+        self.phi = FeatureMap(feature_map, nu)
+        self.d_model, self.d_key = d_model, d_key
+        self.d_phi = self.phi.out_dim(d_key)
+        self.d_value = d_value or d_model
+        self.q_proj = nn.Linear(d_model, d_key, bias=False)
+        self.k_proj = nn.Linear(d_model, d_key, bias=False)
+        self.v_proj = nn.Linear(d_model, self.d_value, bias=False)
+        nn.init.zeros_(self.v_proj.weight)
+        self.gate = nn.Linear(d_model, 1) if use_gate else None
+        self.out_proj = (None if self.d_value == d_model
+                         else nn.Linear(self.d_value, d_model, bias=False))
+        self.correction, self.eps = correction, eps
+
+    def empty_state(self, batch: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, z) of one layer for `batch` fresh rows, float32."""
+        return (torch.zeros(batch, self.d_phi, self.d_value, device=device),
+                torch.zeros(batch, self.d_phi, device=device))
+
+    @staticmethod
+    def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+        dtype = torch.float32
+        for t in tensors:
+            dtype = torch.promote_types(dtype, t.dtype)
+        return dtype
+
+    def _lookup(self, A, z, f):
+        """phi^T A [B, n, d_v] and phi^T z [B, n] for features f [B, n, d_phi]."""
+        return torch.einsum("bnf,bfv->bnv", f, A), torch.einsum("bnf,bf->bn", f, z)
+
+    def retrieve(self, A: torch.Tensor, z: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """o_t = phi(W_q h_t)^T A / (phi(W_q h_t)^T z + eps): [B, T, d_v], float32 (or
+        float64 when A or hidden are)."""
+        ct = self._compute_dtype(A, hidden)
+        f = self.phi(self.q_proj(hidden).to(ct))
+        num, den = self._lookup(A.to(ct), z.to(ct), f)
+        return num / (den + self.eps)[..., None]
+
+    def read(self, A: torch.Tensor, z: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden + o (through the output projection if d_value != d_model), in hidden's
+        dtype: the layer's input with what the memory associates to each position."""
+        out = self.retrieve(A, z, hidden)
+        if self.out_proj is not None:
+            out = self.out_proj(out.to(self.out_proj.weight.dtype))
+        return hidden + out.to(hidden.dtype)
+
+    def write(self, A: torch.Tensor, z: torch.Tensor,
+              mem_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A', z') after writing the m memory tokens' hidden states [B, m, d_model] (the
+        delta rule of the module docstring). Returned in float32 (float64 if A or the
+        input are), whatever the module's dtype."""
+        ct = self._compute_dtype(A, mem_hidden)
+        A, z = A.to(ct), z.to(ct)
+        f = self.phi(self.k_proj(mem_hidden).to(ct))                  # [B, m, d_phi]
+        v = self.v_proj(mem_hidden).to(ct)                            # [B, m, d_v]
+        if self.gate is not None:
+            beta = torch.sigmoid(self.gate(mem_hidden).to(ct))[..., 0]  # [B, m]
+        else:
+            beta = torch.ones(f.shape[:2], dtype=ct, device=f.device)
+        num, den = self._lookup(A, z, f)
+        v_old = num / (den + self.eps)[..., None]                     # vbar_i
+        if self.correction:
+            gamma = (1 - den / (f.square().sum(-1) + self.eps)).clamp(0, 1).detach()
+        else:
+            gamma = torch.ones_like(den)
+        A_new = A + torch.einsum("bmf,bmv,bm->bfv", f, v - v_old, beta)
+        z_new = z + torch.einsum("bmf,bm->bf", f, gamma)
+        return A_new, z_new

@@ -1,0 +1,419 @@
+"""ARMT's associative memory (model/associative.py) as specifications.
+
+The reference below is written straight from the equations in model/associative.py's
+docstring: loops over batch rows and memory tokens, float64, no einsum, no DPFP roll.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+
+from model.associative import AssociativeLayer, AssociativeMemory, FeatureMap, dpfp
+from model.memory import MemoryState, XLMemory
+
+EPS = 1e-5
+
+
+# -- the naive reference ---------------------------------------------------------------------
+def ref_phi(x: torch.Tensor, kind: str, nu: int) -> torch.Tensor:
+    """phi of one vector x [d], entry by entry."""
+    x = x.double()
+    if kind == "identity":
+        return x.clone()
+    if kind == "elu":
+        return torch.tensor([float(v) + 1 if v > 0 else math.exp(float(v)) for v in x],
+                            dtype=torch.float64)
+    d = x.shape[0]
+    r = [max(float(v), 0.0) for v in x] + [max(-float(v), 0.0) for v in x]   # 2d entries
+    out = []
+    for j in range(1, nu + 1):          # block j: r_p * r_{(p - j) mod 2d}
+        out += [r[p] * r[(p - j) % (2 * d)] for p in range(2 * d)]
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def _w(linear):
+    return linear.weight.detach().double()
+
+
+def ref_write(layer: AssociativeLayer, A, z, mem):
+    """(A', z') per row, per memory token, every term written out."""
+    A, z = A.double().clone(), z.double().clone()
+    A_out, z_out = A.clone(), z.clone()
+    kind, nu = layer.phi.kind, layer.phi.nu
+    for b in range(mem.shape[0]):
+        for i in range(mem.shape[1]):
+            h = mem[b, i].double()
+            f = ref_phi(_w(layer.k_proj) @ h, kind, nu)
+            v = _w(layer.v_proj) @ h
+            beta = 1.0
+            if layer.gate is not None:
+                beta = torch.sigmoid(_w(layer.gate) @ h + layer.gate.bias.detach().double())[0]
+            v_old = (f @ A[b]) / (f @ z[b] + EPS)           # the OLD state: one parallel write
+            gamma = 1.0
+            if layer.correction:
+                gamma = min(max(1 - float(f @ z[b]) / (float(f @ f) + EPS), 0.0), 1.0)
+            A_out[b] += beta * torch.outer(f, v - v_old)
+            z_out[b] += gamma * f
+    return A_out, z_out
+
+
+def ref_retrieve(layer: AssociativeLayer, A, z, hidden):
+    out = torch.zeros(*hidden.shape[:2], A.shape[-1], dtype=torch.float64)
+    for b in range(hidden.shape[0]):
+        for t in range(hidden.shape[1]):
+            f = ref_phi(_w(layer.q_proj) @ hidden[b, t].double(), layer.phi.kind, layer.phi.nu)
+            out[b, t] = (f @ A[b].double()) / (f @ z[b].double() + EPS)
+    return out
+
+
+def random_layer(seed=0, **kw) -> AssociativeLayer:
+    torch.manual_seed(seed)
+    kw.setdefault("d_model", 8)
+    kw.setdefault("d_key", 4)
+    layer = AssociativeLayer(**kw)
+    with torch.no_grad():
+        for p in layer.parameters():      # W_v starts at zero: give every weight a value
+            p.normal_(0, 0.5)
+    return layer
+
+
+# -- feature maps ----------------------------------------------------------------------------
+@pytest.mark.parametrize("nu", [1, 2, 3])
+def test_dpfp_is_the_definition(nu):
+    x = torch.randn(3, 5, dtype=torch.float64)
+    got = dpfp(x, nu)
+    assert got.shape == (3, 2 * nu * 5) and (got >= 0).all()
+    for row in range(3):
+        torch.testing.assert_close(got[row], ref_phi(x[row], "dpfp", nu))
+    assert FeatureMap("dpfp", nu).out_dim(5) == 2 * nu * 5
+
+
+def test_other_feature_maps_and_errors():
+    x = torch.randn(4, 6, dtype=torch.float64)
+    assert torch.equal(FeatureMap("identity")(x), x)
+    torch.testing.assert_close(FeatureMap("elu")(x[0]), ref_phi(x[0], "elu", 0))
+    assert FeatureMap("elu").out_dim(6) == 6
+    with pytest.raises(ValueError):
+        FeatureMap("softmax")
+    with pytest.raises(ValueError):
+        FeatureMap("dpfp", nu=0)
+
+
+# -- read and write against the reference ----------------------------------------------------
+@pytest.mark.parametrize("feature_map,nu,use_gate,correction,d_value", [
+    ("dpfp", 3, True, True, None), ("dpfp", 1, False, True, None),
+    ("dpfp", 2, True, False, None), ("elu", 3, True, True, None),
+    ("identity", 3, True, True, None), ("dpfp", 3, True, True, 5)])
+def test_read_write_match_reference(feature_map, nu, use_gate, correction, d_value):
+    layer = random_layer(feature_map=feature_map, nu=nu, use_gate=use_gate,
+                         correction=correction, d_value=d_value)
+    B, m, T = 3, 4, 5
+    mem1, mem2 = torch.randn(B, m, 8), torch.randn(B, m, 8)
+    hidden = torch.randn(B, T, 8)
+    A0, z0 = layer.empty_state(B)
+    # Two segments: the second write and the read see a non-empty memory (the delta rule).
+    A1r, z1r = ref_write(layer, A0, z0, mem1)
+    A2r, z2r = ref_write(layer, A1r, z1r, mem2)
+    outr = ref_retrieve(layer, A2r, z2r, hidden)
+
+    lay64 = copy.deepcopy(layer).double()     # the same computation in float64: exact
+    A1, z1 = lay64.write(A0.double(), z0.double(), mem1.double())
+    A2, z2 = lay64.write(A1, z1, mem2.double())
+    out = lay64.retrieve(A2, z2, hidden.double())
+    for got, want in [(A1, A1r), (z1, z1r), (A2, A2r), (z2, z2r), (out, outr)]:
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    read = lay64.read(A2, z2, hidden.double())
+    proj = outr if layer.out_proj is None else outr @ _w(layer.out_proj).T
+    torch.testing.assert_close(read, hidden.double() + proj, rtol=1e-9, atol=1e-9)
+
+    if feature_map != "identity":             # float32 module (phi >= 0: safe normaliser)
+        A1, z1 = layer.write(A0, z0, mem1)
+        A2, z2 = layer.write(A1, z1, mem2)
+        assert A2.dtype == z2.dtype == torch.float32
+        torch.testing.assert_close(A2.double(), A2r, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(z2.double(), z2r, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer.retrieve(A2, z2, hidden).double(), outr,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_fresh_layer_reads_nothing():
+    """W_v starts at zero (authors' code): at initialisation the block changes nothing."""
+    layer = AssociativeLayer(8, 4)
+    A, z = layer.write(*layer.empty_state(2), torch.randn(2, 3, 8))
+    hidden = torch.randn(2, 5, 8)
+    assert torch.equal(layer.read(A, z, hidden), hidden)
+    assert (z > 0).any()                        # the keys were counted nevertheless
+
+
+# -- the delta rule on keys orthogonal under phi ---------------------------------------------
+D_MODEL, D_KEY = 12, 6
+
+
+def probe_layer(use_gate=False, correction=True, beta=None) -> AssociativeLayer:
+    """k = q = the first D_KEY entries of h, v = h (identity projections), DPFP nu=3."""
+    layer = AssociativeLayer(D_MODEL, D_KEY, use_gate=use_gate or beta is not None,
+                             correction=correction)
+    with torch.no_grad():
+        eye = torch.eye(D_MODEL)
+        layer.k_proj.weight.copy_(eye[:D_KEY])
+        layer.q_proj.weight.copy_(eye[:D_KEY])
+        layer.v_proj.weight.copy_(eye)
+        if beta is not None:                   # constant importance beta
+            layer.gate.weight.zero_()
+            layer.gate.bias.fill_(math.log(beta / (1 - beta)))
+    return layer
+
+
+# Keys whose [relu(k), relu(-k)] have disjoint supports have disjoint DPFP supports (every
+# DPFP entry is a product of two entries of one r), hence are orthogonal under phi.
+KEYS = torch.tensor([[2., 2., 0., 0., 0., 0.],      # r support {0, 1}
+                     [0., 0., 0., 0., 2., 2.],      # r support {4, 5}
+                     [0., 0., -2., -2., 0., 0.]])   # r support {8, 9}
+
+
+def item(key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A hidden state whose key part is `key` and value (all of h) carries `value`."""
+    return torch.cat([key, value])
+
+
+def test_probe_keys_are_orthogonal_under_phi():
+    f = dpfp(KEYS, 3)
+    gram = f @ f.T
+    assert torch.equal(gram, torch.diag(torch.diag(gram))) and (torch.diag(gram) > 1).all()
+
+
+def test_writing_the_same_association_twice_changes_nothing():
+    layer = probe_layer()
+    vals = torch.randn(3, D_MODEL - D_KEY)
+    mem = torch.stack([item(k, v) for k, v in zip(KEYS, vals, strict=True)])[None]
+    A1, z1 = layer.write(*layer.empty_state(1), mem)
+    A2, z2 = layer.write(A1, z1, mem)
+    A3, z3 = layer.write(A2, z2, mem)
+    # eps: vbar = v |phi|^2 / (|phi|^2 + eps), so a rewrite adds eps-relative amounts only.
+    for a, b in [(A2, A1), (A3, A1), (z2, z1), (z3, z1)]:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.retrieve(A3, z3, mem), mem, rtol=1e-5, atol=1e-5)
+
+
+def test_new_value_for_a_stored_key_replaces_the_old():
+    layer = probe_layer()
+    old, other, new = torch.randn(3, D_MODEL - D_KEY)
+    a, b = item(KEYS[0], old), item(KEYS[1], other)
+    A, z = layer.write(*layer.empty_state(1), torch.stack([a, b])[None])
+    torch.testing.assert_close(layer.retrieve(A, z, a[None, None])[0, 0], a,
+                               rtol=1e-4, atol=1e-4)
+    a_new = item(KEYS[0], new)
+    A, z = layer.write(A, z, a_new[None, None])
+    torch.testing.assert_close(layer.retrieve(A, z, a[None, None])[0, 0], a_new,
+                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(layer.retrieve(A, z, b[None, None])[0, 0], b,   # untouched
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_gate_moves_a_fraction_beta_of_the_way():
+    """beta < 1: after n writes of (k, v), reading k gives (1 - (1 - beta)^n) v."""
+    beta = 0.25
+    layer = probe_layer(beta=beta)
+    h = item(KEYS[2], torch.randn(D_MODEL - D_KEY))[None, None]
+    A, z = layer.empty_state(1)
+    for n in range(1, 5):
+        A, z = layer.write(A, z, h)
+        torch.testing.assert_close(layer.retrieve(A, z, h), (1 - (1 - beta) ** n) * h,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_without_correction_rewrites_dilute_the_normaliser():
+    """What gamma is for: with gamma = 1, z counts a key each time it is written. Writing
+    (k, v) n times gives z = n phi(k) and A = a_n phi(k) v^T with a_1 = 1 and
+    a_(n+1) = a_n + 1 - a_n / n (the delta rule), i.e. a_n = n / 2 from n = 2 on: every
+    rewrite of the same association reads back v / 2 instead of v."""
+    layer = probe_layer(correction=False)
+    h = item(KEYS[0], torch.randn(D_MODEL - D_KEY))[None, None]
+    A, z = layer.empty_state(1)
+    for n in range(1, 6):
+        A, z = layer.write(A, z, h)
+        want = h if n == 1 else h / 2
+        torch.testing.assert_close(layer.retrieve(A, z, h), want, rtol=1e-4, atol=1e-4)
+    corrected = probe_layer(correction=True)
+    A, z = corrected.empty_state(1)
+    for _ in range(5):
+        A, z = corrected.write(A, z, h)
+    torch.testing.assert_close(corrected.retrieve(A, z, h), h, rtol=1e-4, atol=1e-4)
+
+
+# -- gradients -------------------------------------------------------------------------------
+def test_gradients_flow_through_A_and_z_across_two_writes():
+    layer = random_layer(d_model=8, d_key=4)
+    mem1 = torch.randn(2, 3, 8, requires_grad=True)
+    mem2, query = torch.randn(2, 3, 8), torch.randn(2, 4, 8)
+    A1, z1 = layer.write(*layer.empty_state(2), mem1)
+    A1.retain_grad()
+    z1.retain_grad()
+    A2, z2 = layer.write(A1, z1, mem2)
+    layer.read(A2, z2, query).square().sum().backward()
+    for g in (A1.grad, z1.grad, mem1.grad):
+        assert g is not None and g.abs().sum() > 0
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())
+
+    # detach() cuts the graph at the segment boundary (the BPTT window's edge).
+    state = AssociativeMemory(A=A1[:, None], z=z1[:, None], writes=torch.ones(2, dtype=int))
+    cut = state.detach()
+    assert not cut.A.requires_grad and not cut.z.requires_grad
+    A2, z2 = layer.write(*cut.layer(0), mem2)
+    (gm,) = torch.autograd.grad(layer.read(A2, z2, query).sum(), mem1, allow_unused=True)
+    assert gm is None
+
+
+def test_gradient_through_the_state_is_the_derivative():
+    """gradcheck of (A, z) -> read(write(A, z, m), q) in float64; gamma = 1 here because
+    the authors stop gamma's gradient (with correction on, autograd and finite differences
+    legitimately disagree on z)."""
+    layer = random_layer(d_model=6, d_key=3, correction=False).double()
+    mem, query = torch.randn(2, 3, 6, dtype=torch.float64), torch.randn(2, 4, 6,
+                                                                      dtype=torch.float64)
+    A0, z0 = layer.write(*(t.double() for t in layer.empty_state(2)), torch.randn(
+        2, 3, 6, dtype=torch.float64))
+    A0 = A0.detach().requires_grad_()
+    z0 = z0.detach().requires_grad_()
+
+    def f(A, z):
+        return layer.read(*layer.write(A, z, mem), query)
+
+    assert torch.autograd.gradcheck(f, (A0, z0))
+
+
+# -- half precision --------------------------------------------------------------------------
+def test_bf16_stays_close_to_float32_and_keeps_the_state_float32():
+    """Tolerance stated: with bf16 weights and inputs (the projections in bf16, phi and the
+    normalised lookups in float32), A, z and the reads stay within 3% (relative, in norm)
+    of the float32 computation on the same bf16-rounded inputs over 8 segments."""
+    layer = random_layer(d_model=16, d_key=8)
+    lay16 = copy.deepcopy(layer).to(torch.bfloat16)
+    with torch.no_grad():                      # the same (bf16-representable) weights
+        for p32, p16 in zip(layer.parameters(), lay16.parameters(), strict=True):
+            p32.copy_(p16.float())
+    B, m = 2, 4
+    A, z = layer.empty_state(B)
+    A16, z16 = lay16.empty_state(B)
+    for _ in range(8):
+        mem = torch.randn(B, m, 16).to(torch.bfloat16)
+        with torch.no_grad():
+            A, z = layer.write(A, z, mem.float())
+            A16, z16 = lay16.write(A16, z16, mem)
+        assert A16.dtype == z16.dtype == torch.float32
+    query = torch.randn(B, 5, 16).to(torch.bfloat16)
+    with torch.no_grad():
+        out = layer.read(A, z, query.float())
+        out16 = lay16.read(A16, z16, query)
+    assert out16.dtype == torch.bfloat16 and torch.isfinite(out16).all()
+
+    def rel(a, b):
+        return float((a.float() - b).norm() / b.norm())
+
+    assert rel(A16, A) < 3e-2 and rel(z16, z) < 3e-2
+    assert rel(out16 - query, out - query.float()) < 3e-2
+
+
+def test_why_z_is_float32():
+    """z is a running sum over a document's segments: in bf16 it stops growing at 256 when
+    each segment adds 1, while float32 counts on (what AssociativeMemory.fp32_fields
+    avoids)."""
+    z16, z32 = torch.zeros((), dtype=torch.bfloat16), torch.zeros(())
+    for _ in range(1000):
+        z16, z32 = z16 + 1, z32 + 1
+    assert float(z32) == 1000 and float(z16) == 256
+    state = AssociativeMemory.zeros(2, 3, 24, 16).to(dtype=torch.bfloat16)
+    assert state.A.dtype == state.z.dtype == torch.float32
+
+
+# -- the state protocol ----------------------------------------------------------------------
+def random_state(B=3, n_layer=2, d_phi=6, d_v=4, with_cache=False) -> AssociativeMemory:
+    cache = None
+    if with_cache:
+        cache = XLMemory(hids=[torch.randn(B, 5, d_v) for _ in range(n_layer)],
+                         length=torch.tensor([5, 2, 0][:B]))
+    return AssociativeMemory(A=torch.randn(B, n_layer, d_phi, d_v),
+                             z=torch.rand(B, n_layer, d_phi),
+                             writes=torch.arange(1, B + 1), cache=cache)
+
+
+def test_zeros_layer_written():
+    s = AssociativeMemory.zeros(2, 3, 24, 8)
+    assert s.A.shape == (2, 3, 24, 8) and s.z.shape == (2, 3, 24)
+    assert s.batch_size == 2 and s.n_layer == 3 and s.writes.tolist() == [0, 0]
+    assert s.nbytes() == 4 * (2 * 3 * 24 * 8 + 2 * 3 * 24) + 8 * 2
+    layers = [random_layer(seed=i, d_model=8, d_key=4) for i in range(3)]
+    mems = [torch.randn(2, 2, 8) for _ in range(3)]
+    writes = [lay.write(*s.layer(i), mem) for i, (lay, mem) in enumerate(zip(layers, mems,
+                                                                            strict=True))]
+    new = s.written([w[0] for w in writes], [w[1] for w in writes])
+    assert new.A.shape == s.A.shape and new.writes.tolist() == [1, 1]
+    for i, (A_i, z_i) in enumerate(writes):
+        assert torch.equal(new.layer(i)[0], A_i) and torch.equal(new.layer(i)[1], z_i)
+    with pytest.raises(ValueError):
+        s.written([s.A[:, 0]], [])
+
+
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_state_dict_round_trip(with_cache):
+    s = random_state(with_cache=with_cache)
+    buf = io.BytesIO()
+    torch.save(s.state_dict(), buf)
+    buf.seek(0)
+    back = MemoryState.from_state_dict(torch.load(buf))
+    assert isinstance(back, AssociativeMemory) and back.kind == "armt"
+    for name in ("A", "z", "writes"):
+        a, b = getattr(s, name), getattr(back, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    assert (back.cache is None) == (not with_cache)
+    if with_cache:
+        assert all(torch.equal(a, b) for a, b in zip(s.cache.hids, back.cache.hids,
+                                                      strict=True))
+    target = random_state(with_cache=with_cache)
+    target.load_state_dict(s.state_dict())
+    assert torch.equal(target.A, s.A)
+
+
+def test_to_keeps_A_and_z_float32():
+    s = random_state(with_cache=True).to(dtype=torch.bfloat16)
+    assert s.A.dtype == s.z.dtype == torch.float32
+    assert s.cache.hids[0].dtype == torch.bfloat16 and s.writes.dtype == torch.long
+
+
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_select_and_concat_rows(with_cache):
+    s = random_state(with_cache=with_cache)
+    sel = s.select_rows(torch.tensor([2, 0]))
+    assert torch.equal(sel.A, s.A[[2, 0]]) and torch.equal(sel.z, s.z[[2, 0]])
+    assert sel.writes.tolist() == [3, 1]
+    joined = MemoryState.concat_rows([s.select_rows([0]), s.select_rows([1, 2])])
+    for name in ("A", "z", "writes"):
+        assert torch.equal(getattr(joined, name), getattr(s, name))
+    if with_cache:
+        assert torch.equal(sel.cache.hids[1], s.cache.hids[1][[2, 0]])
+        assert torch.equal(joined.cache.length, s.cache.length)
+
+
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_reset_rows_is_a_fresh_document(with_cache):
+    s = random_state(with_cache=with_cache)
+    s.A[1, 0, 0, 0] = float("nan")              # an overflow in the row that is reset
+    mask = torch.tensor([False, True, False])
+    r = s.reset_rows(mask)
+    assert (r.A[1] == 0).all() and (r.z[1] == 0).all() and r.writes.tolist() == [1, 0, 3]
+    assert torch.equal(r.A[[0, 2]], s.A[[0, 2]]) and torch.equal(r.z[[0, 2]], s.z[[0, 2]])
+    if with_cache:
+        assert r.cache.length.tolist() == [5, 0, 0] and (r.cache.hids[0][1] == 0).all()
+    # A zeroed row writes and reads exactly as an empty memory (the authors' first segment).
+    layer = random_layer(d_model=4, d_key=1, nu=3)         # d_phi = 6, d_v = 4
+    mem, query = torch.randn(3, 2, 4), torch.randn(3, 5, 4)
+    A, z = layer.write(*r.layer(0), mem)
+    A0, z0 = layer.write(*layer.empty_state(3), mem)
+    assert torch.equal(A[1], A0[1]) and torch.equal(z[1], z0[1])
+    assert torch.equal(layer.read(*r.layer(0), query)[1], query[1])
+    assert torch.isfinite(layer.read(A, z, query)).all()
