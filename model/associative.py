@@ -2,9 +2,10 @@
 
 ARMT keeps RMT's memory tokens, but what crosses the segment boundary is not the tokens:
 every layer l owns an associative matrix A_l [d_phi, d_v] and a normaliser z_l [d_phi].
-At segment s (the paper's section on the associative block; its text was not reachable
-from here, so the equations below are written out in words and follow the authors' code,
-modeling_amt/language_modeling.py of RodkinIvan/associative-recurrent-memory-transformer):
+At segment s (the paper's associative block, its Fig. 1c; the paper's text was not
+reachable from here, so its equation numbers are not cited: the equations below are
+written out in words and follow the authors' code, modeling_amt/language_modeling.py of
+RodkinIvan/associative-recurrent-memory-transformer, and the figure img/armt.png there):
 
   read, before layer l, for every position t of the segment (memory tokens included):
       q_t = W_q h_t,   o_t = phi(q_t)^T A / (phi(q_t)^T z + eps),   h_t <- h_t + o_t
@@ -40,7 +41,9 @@ size 1 to a sum of 256 is lost, so after a few hundred segments z stops growing 
 keeps changing, and every read's normaliser is wrong. The delta rule subtracts vbar from
 v, a cancellation that half precision turns into noise, and DPFP squares its inputs
 (fp16 overflows at |k| > 256). The projections run in the module's dtype (bf16 under
-mixed precision); only phi, the einsums and the divisions are float32.
+mixed precision); only phi, the einsums and the divisions are float32. Measured in
+tests/test_associative_core.py: a bf16 module with this float32 state is within 0.5% of
+float32; a state rounded to bf16 after every write drifts to ~5% over 512 segments.
 """
 
 from __future__ import annotations

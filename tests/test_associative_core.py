@@ -290,8 +290,9 @@ def test_gradient_through_the_state_is_the_derivative():
 # -- half precision --------------------------------------------------------------------------
 def test_bf16_stays_close_to_float32_and_keeps_the_state_float32():
     """Tolerance stated: with bf16 weights and inputs (the projections in bf16, phi and the
-    normalised lookups in float32), A, z and the reads stay within 3% (relative, in norm)
-    of the float32 computation on the same bf16-rounded inputs over 8 segments."""
+    normalised lookups in float32), A, z and the reads stay within 1.5% (relative, in norm)
+    of the float32 computation on the same bf16-rounded inputs over 8 segments (measured:
+    0.2-0.5% over five seeds)."""
     layer = random_layer(d_model=16, d_key=8)
     lay16 = copy.deepcopy(layer).to(torch.bfloat16)
     with torch.no_grad():                      # the same (bf16-representable) weights
@@ -315,8 +316,57 @@ def test_bf16_stays_close_to_float32_and_keeps_the_state_float32():
     def rel(a, b):
         return float((a.float() - b).norm() / b.norm())
 
-    assert rel(A16, A) < 3e-2 and rel(z16, z) < 3e-2
-    assert rel(out16 - query, out - query.float()) < 3e-2
+    assert rel(A16, A) < 1.5e-2 and rel(z16, z) < 1.5e-2
+    assert rel(out16 - query, out - query.float()) < 1.5e-2
+
+
+def test_a_bf16_state_drifts_where_float32_does_not():
+    """The same bf16 module over 512 segments, once with A and z kept float32 (what
+    AssociativeMemory does) and once rounded to bf16 after every write. With gamma = 1 (z
+    grows by a full phi(k) per token) the bf16 state's z is off by ~5% and its reads by
+    ~4% (measured, three seeds); the float32 state stays within 0.02% and 0.8%."""
+    torch.manual_seed(1)
+    layer = random_layer(seed=1, d_model=16, d_key=8, correction=False)
+    lay16 = copy.deepcopy(layer).to(torch.bfloat16)
+    with torch.no_grad():
+        for p32, p16 in zip(layer.parameters(), lay16.parameters(), strict=True):
+            p32.copy_(p16.float())
+    A, z = layer.empty_state(2)
+    A16, z16 = lay16.empty_state(2)
+    Ab, zb = A16.clone(), z16.clone()
+    with torch.no_grad():
+        for _ in range(512):
+            mem = torch.randn(2, 4, 16).to(torch.bfloat16)
+            A, z = layer.write(A, z, mem.float())
+            A16, z16 = lay16.write(A16, z16, mem)
+            Ab, zb = (t.to(torch.bfloat16) for t in lay16.write(Ab, zb, mem))
+        query = torch.randn(2, 5, 16).to(torch.bfloat16)
+        want = layer.read(A, z, query.float()) - query.float()
+        out16 = lay16.read(A16, z16, query) - query
+        outb = lay16.read(Ab, zb, query) - query
+
+    def rel(a, b):
+        return float((a.float() - b).norm() / b.norm())
+
+    assert rel(z16, z) < 2e-3 and rel(out16, want) < 2e-2
+    assert rel(zb, z) > 2e-2 and rel(outb, want) > 2 * rel(out16, want)
+
+
+def test_fp16_module_does_not_overflow_in_phi():
+    """DPFP multiplies two key entries: |k| = 300 gives 9e4 > fp16's 65504. The projections
+    run in fp16, phi and the state in float32, so the write stays finite and equal to the
+    float32 one."""
+    layer = probe_layer()
+    with torch.no_grad():
+        layer.k_proj.weight.mul_(150)          # keys of size 300 from the probe items
+    lay16 = copy.deepcopy(layer).half()
+    h = item(KEYS[0], torch.randn(D_MODEL - D_KEY))[None, None]
+    assert torch.isinf(dpfp(lay16.k_proj(h.half()), 3)).any()      # what would happen
+    A16, z16 = lay16.write(*lay16.empty_state(1), h.half())
+    A, z = layer.write(*layer.empty_state(1), h.half().float())
+    assert torch.isfinite(A16).all() and torch.isfinite(z16).all()
+    torch.testing.assert_close(z16, z, rtol=1e-3, atol=0)
+    torch.testing.assert_close(A16, A, rtol=2e-3, atol=1e-2)
 
 
 def test_why_z_is_float32():
