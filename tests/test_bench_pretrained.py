@@ -106,4 +106,7 @@ def test_save_linear_keeps_every_checkpointed_segments_linear_outputs_on_the_hf_
     per_layer = rows * (3 * a.d_model + 2 * kv + 2 * a.d_inner)   # q, o, down; k, v; gate, up
     kept_mb = (a.n_layer * per_layer + a.batch * a.seg_len * a.vocab) * 4 / 2**20
     # While the last segment's recompute runs, the other n - 1 still hold what they kept.
-    assert peak["save-linear"] - peak["ckpt"] > 0.7 * (n - 1) * kept_mb, (peak, kept_mb)
+    # Half of it at least: in a worker process that ran other tests first the allocator
+    # reuses freed blocks, and 0.69 of it was measured there (0.9 alone); without the
+    # policy the difference is about 0.
+    assert peak["save-linear"] - peak["ckpt"] > 0.5 * (n - 1) * kept_mb, (peak, kept_mb)
