@@ -4,9 +4,9 @@
 
 writes what `save_pretrained` writes for a 2-layer model with random weights and a
 50-symbol character tokenizer (lower-case letters, digits, space, newline, punctuation and
-the task symbols `_` and `>`; <unk> for the rest), so `memtrain prepare`, `train`, `plan`, `submit --dry-run`, `eval`, `generate`
-and `export` run against it exactly as against a real checkpoint directory. Nothing is
-downloaded.
+the task symbols `_` and `>`; <unk> for the rest), so `memtrain prepare`, `train`, `plan`,
+`submit --dry-run`, `eval`, `generate` and `export` run against it exactly as against a real
+checkpoint directory. Nothing is downloaded.
 """
 
 from __future__ import annotations
