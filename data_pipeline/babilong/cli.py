@@ -105,10 +105,7 @@ def _open_background(args):
                                      and not args.tokenizer.startswith("hf:")):
         raise ValueError("a word vocabulary cannot write the tasks' sentences; use "
                          "--tokenizer bytes, chars, bpe or hf:<checkpoint>")
-    tokenizer = args.tokenizer
-    if args.corpus in ("enwik8", "text8") and tokenizer == "bytes":
-        tokenizer = "bytes"
-    return open_corpus(name, args.data_dir, tokenizer=tokenizer, files=files,
+    return open_corpus(name, args.data_dir, tokenizer=args.tokenizer, files=files,
                        bpe_vocab_size=args.bpe_vocab_size,
                        valid_fraction=0.1, test_fraction=0.1, progress=False,
                        tokenizer_revision=args.tokenizer_revision,
