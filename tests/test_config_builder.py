@@ -13,6 +13,7 @@ import sys
 import typing
 
 import pytest
+from shipped_configs import CONFIGS, load_shipped
 
 from cluster.options import LAUNCHERS, SubmitOptions, flag, from_args
 from cluster.submit import _parser, main_submit
@@ -20,7 +21,6 @@ from model import ConfigError, LaMemoOptions, ModelConfig, RMTOptions
 from model.typed import build_dataclass
 from train.config import PROJECT_ROOT, from_dict, load_config
 
-CONFIGS = sorted((PROJECT_ROOT / "configs").glob("*.yaml"))
 RMT_FIELDS = ("mem_loss_token, mem_loss_weight, memory_norm, num_mem_tokens, "
               "read_mem_from_cache")
 
@@ -86,7 +86,7 @@ def test_an_empty_section_is_its_defaults():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_every_shipped_config_round_trips_through_the_builder(path):
-    cfg = load_config(path)
+    cfg = load_shipped(path)
     back = from_dict(cfg.to_dict())
     assert back == cfg and isinstance(back.model.rmt, RMTOptions)
 
