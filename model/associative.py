@@ -98,9 +98,11 @@ class FeatureMap(nn.Module):
 class AssociativeMemory(MemoryState):
     """ARMT state: per layer the association matrix A [B, n_layer, d_phi, d_v] and the
     normaliser z [B, n_layer, d_phi] (float32, see the module docstring), `writes` [B]
-    (segments written since the row's document started; 0 = fresh), and optionally the
-    XL cache of the previous segment (the authors' sliding-window mode attends to the
-    previous segment's keys and values; None when unused).
+    (segments written since the row's document started; 0 = fresh), optionally the
+    memory tokens' write outputs [B, m, d] when they are carried too (`armt.carry_tokens`;
+    None otherwise), and optionally the XL cache of the previous segment (the authors'
+    sliding-window mode attends to the previous segment's keys and values; None when
+    unused).
 
     Not detached by the write: gradients flow through A and z into earlier segments until
     the caller detaches the state (the BPTT depth, as for RMTMemory)."""
@@ -110,6 +112,7 @@ class AssociativeMemory(MemoryState):
     A: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, 0, 0))
     z: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0, 0))
     writes: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    tokens: torch.Tensor | None = None
     cache: XLMemory | None = None
 
     @property
@@ -133,22 +136,24 @@ class AssociativeMemory(MemoryState):
         return self.A[:, l], self.z[:, l]
 
     def written(self, A_layers: list[torch.Tensor], z_layers: list[torch.Tensor],
-                cache: XLMemory | None = None) -> AssociativeMemory:
+                cache: XLMemory | None = None,
+                tokens: torch.Tensor | None = None) -> AssociativeMemory:
         """New state after one segment: each layer's written (A_l', z_l'), one more write."""
         if len(A_layers) != len(z_layers):
             raise ValueError(f"{len(A_layers)} matrices but {len(z_layers)} normalisers")
         return AssociativeMemory(A=torch.stack(A_layers, dim=1), z=torch.stack(z_layers, dim=1),
-                                 writes=self.writes + 1, cache=cache)
+                                 writes=self.writes + 1, tokens=tokens, cache=cache)
 
     def reset_rows(self, mask: torch.Tensor) -> AssociativeMemory:
         # Zeroed with torch.where, so a NaN/Inf in a reset row (an overflow) is replaced, not
-        # multiplied; A = 0, z = 0 is exactly a fresh document (module docstring).
+        # multiplied; A = 0, z = 0 is exactly a fresh document (module docstring). Carried
+        # tokens stay: writes = 0 makes the next segment start from the learned ones.
         m = mask.to(self.writes.device)
         cache = self.cache.reset_rows(mask) if self.cache is not None else None
         return AssociativeMemory(A=_zero_rows(self.A, mask), z=_zero_rows(self.z, mask),
                                  writes=torch.where(m, torch.zeros_like(self.writes),
                                                     self.writes),
-                                 cache=cache)
+                                 tokens=self.tokens, cache=cache)
 
 
 class AssociativeLayer(nn.Module):

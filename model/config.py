@@ -15,7 +15,7 @@ from typing import Any
 # here so `from model.config import ConfigError` and `model.ConfigError` stay the same class.
 from .typed import ConfigError, build_dataclass
 
-MECHANISMS = ("xl", "lamemo", "rmt")
+MECHANISMS = ("xl", "lamemo", "rmt", "armt")
 ATTN_IMPLS = ("fused", "plain")
 
 
@@ -54,7 +54,34 @@ class RMTOptions:
     memory_norm: str = "unit"
 
 
+@dataclass
+class ARMTOptions:
+    """Associative Recurrent Memory Transformer (Rodkin et al. 2024) options; model/armt.py
+    has the equations. Its memory tokens are RMT's: `model.rmt.num_mem_tokens` of them,
+    placed after the segment's tokens, whose outputs write every layer's association
+    matrix. The defaults are the authors' code."""
+
+    # Width of q and k before the feature map (the authors' d_mem; 64 in their scripts).
+    d_key: int = 64
+    # phi: "dpfp" (deterministic parameter-free projection, the authors'), "elu" (elu + 1)
+    # or "identity" (the alternative left in their code; its normaliser can be <= 0).
+    feature_map: str = "dpfp"
+    # DPFP's nu: phi has 2 * nu * d_key entries (3 in the authors' code).
+    nu: int = 3
+    # beta = sigmoid(w_b . m + b), the importance of each memory token's write; false: 1.
+    gate: bool = True
+    # gamma, the normaliser's correction for a key already stored (the authors'
+    # --no_correction turns it off); false: every write adds phi(k) to z.
+    correction: bool = True
+    # false (the authors'): every segment's memory tokens start from the same learned
+    # vectors and only the association matrices cross the boundary; true: the write
+    # outputs are also carried as the next segment's memory tokens (RMT's recurrence on
+    # top of the associative memory), through `model.rmt.memory_norm`.
+    carry_tokens: bool = False
+
+
 MEMORY_NORMS = ("unit", "embedding", "none")
+FEATURE_MAPS = ("dpfp", "elu", "identity")
 BACKBONES = ("native", "hf")
 FINETUNE_MODES = ("full", "frozen", "lora")
 
@@ -90,7 +117,7 @@ class PretrainedOptions:
 class ModelConfig:
     """Shape and mechanism of a memory-augmented decoder-only language model."""
 
-    mechanism: str = "xl"  # "xl" | "lamemo" | "rmt"
+    mechanism: str = "xl"  # "xl" | "lamemo" | "rmt" | "armt"
     # "native": the relative-position stack of model/backbone.py; "hf": a pretrained
     # Hugging Face causal LM wrapped with RMT memory tokens (`hf` options below).
     backbone: str = "native"
@@ -134,6 +161,7 @@ class ModelConfig:
     compile: bool = False
     lamemo: LaMemoOptions = field(default_factory=LaMemoOptions)
     rmt: RMTOptions = field(default_factory=RMTOptions)
+    armt: ARMTOptions = field(default_factory=ARMTOptions)
     hf: PretrainedOptions = field(default_factory=PretrainedOptions)
 
     def __post_init__(self) -> None:
@@ -141,6 +169,8 @@ class ModelConfig:
             self.lamemo = _build_options(LaMemoOptions, self.lamemo, "model.lamemo")
         if isinstance(self.rmt, dict):
             self.rmt = _build_options(RMTOptions, self.rmt, "model.rmt")
+        if isinstance(self.armt, dict):
+            self.armt = _build_options(ARMTOptions, self.armt, "model.armt")
         if isinstance(self.hf, dict):
             self.hf = _build_options(PretrainedOptions, self.hf, "model.hf")
         if self.backbone == "hf":
@@ -183,8 +213,10 @@ class ModelConfig:
         self._validate_adaptive()
         if self.mechanism == "lamemo":
             self._validate_lamemo()
-        if self.mechanism == "rmt":
+        if self.mechanism in ("rmt", "armt"):
             self._validate_rmt()
+        if self.mechanism == "armt":
+            self._validate_armt()
 
     def check_lengths(self, mem_len: int, clamp_len: int, same_length: bool,
                       section: str = "model") -> None:
@@ -198,9 +230,10 @@ class ModelConfig:
         if mem_len and self.backbone == "hf":
             raise ConfigError(f"{section}.mem_len", f"must be 0, got {mem_len}: a pretrained "
                               "backbone keeps no XL cache")
-        if same_length and self.mechanism == "rmt":
-            raise ConfigError(f"{section}.same_length", "is not defined for RMT (memory rows "
-                              "see their blocks in full)")
+        if same_length and self.mechanism in ("rmt", "armt"):
+            raise ConfigError(f"{section}.same_length", f"is not defined for "
+                              f"{self.mechanism.upper()} (memory rows see their blocks in "
+                              "full)")
         if same_length and mem_len == 0:
             raise ConfigError(f"{section}.same_length", "needs mem_len > 0 (each query sees "
                               "exactly mem_len keys)")
@@ -254,11 +287,28 @@ class ModelConfig:
             raise ConfigError("model.rmt.mem_loss_token", f"must be a token id in "
                               f"[0, {self.vocab_size}), got {o.mem_loss_token}")
 
+    def _validate_armt(self) -> None:
+        o = self.armt
+        if self.rmt.num_mem_tokens == 0:
+            raise ConfigError("model.rmt.num_mem_tokens", "ARMT writes its associative memory "
+                              "from the memory tokens: must be > 0")
+        if o.d_key <= 0:
+            raise ConfigError("model.armt.d_key", f"must be > 0, got {o.d_key}")
+        if o.feature_map not in FEATURE_MAPS:
+            raise ConfigError("model.armt.feature_map", f"unknown {o.feature_map!r}; choose "
+                              f"one of {', '.join(FEATURE_MAPS)}")
+        if o.feature_map == "dpfp" and o.nu < 1:
+            raise ConfigError("model.armt.nu", f"must be >= 1, got {o.nu}")
+        if self.rmt.mem_loss_weight:
+            raise ConfigError("model.rmt.mem_loss_weight", "the auxiliary memory loss is "
+                              "RMT's (§3.4); ARMT has none")
+
     def _validate_pretrained(self) -> None:
         o = self.hf
-        if self.mechanism != "rmt":
-            raise ConfigError("model.mechanism", f"a pretrained backbone carries RMT memory "
-                              f"tokens; set mechanism 'rmt' (got {self.mechanism!r})")
+        if self.mechanism not in ("rmt", "armt"):
+            raise ConfigError("model.mechanism", f"a pretrained backbone carries memory "
+                              f"tokens; set mechanism 'rmt' or 'armt' (got "
+                              f"{self.mechanism!r})")
         if self.rmt.mem_loss_weight:
             raise ConfigError("model.rmt.mem_loss_weight", "the auxiliary memory loss is "
                               "defined for the native stack only")

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .adaptive import AdaptiveEmbedding, AdaptiveSoftmax, tie_embeddings
+from .armt import ARMT
 from .backbone import RelativeBackbone
 from .config import ModelConfig
 from .lamemo import LaMemo
@@ -27,7 +28,7 @@ from .segment_lm import LMOutput, SegmentLM
 from .transformer_xl import TransformerXL
 
 # The mechanism registry: `ModelConfig.mechanism` -> its class (see `core_class`).
-_CORES = {"xl": TransformerXL, "lamemo": LaMemo, "rmt": RMT}
+_CORES = {"xl": TransformerXL, "lamemo": LaMemo, "rmt": RMT, "armt": ARMT}
 
 
 def core_class(cfg: ModelConfig) -> type[RelativeBackbone]:
@@ -66,6 +67,11 @@ class MemoryLM(SegmentLM):
         """XL code init: N(0, init_std) weights, zero biases, LayerNorm gain N(1, init_std)."""
         for name, p in self.core.named_parameters():
             if "memory_init" in name or "memory_layer_norm" in name:  # the RMT sets them
+                continue
+            if name.startswith("associative."):
+                # ARMT's blocks keep the authors' init: nn.Linear's default for W_q, W_k and
+                # the gate, W_v = 0 (model/associative.py). N(0, init_std) keys would make
+                # phi(k)^T z of the order of the denominators' eps.
                 continue
             if "layer_norm" in name:
                 if name.endswith("weight"):

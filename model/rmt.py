@@ -54,27 +54,35 @@ def rmt_allowed(n_mem: int, n_tok: int, cache_len: int, cache_valid: torch.Tenso
     return allowed
 
 
+def memory_token_parameters(cfg: ModelConfig) -> tuple[Learned, nn.LayerNorm | None]:
+    """The learned initial memory [m, d] and, where the write outputs are carried, the
+    LayerNorm they pass before becoming the next memory (RMT here; ARMT with carried tokens,
+    model/armt.py)."""
+    # Learnable initial memory, broadcast over the batch (RMT code). Drawn at the scale of a
+    # scaled token embedding, N(0, init_std * sqrt(d)), rows independent; the authors'
+    # N(0, 1) with `[randn(1, d)] * m` makes all rows one vector. Measured on copy
+    # (docs/rmt.md): the init is not what decides learning, the layer norm placement is;
+    # pre-LN learns from either init, post-LN from neither.
+    std = cfg.init_std * cfg.d_model ** 0.5
+    memory_init = Learned(torch.randn(cfg.rmt.num_mem_tokens, cfg.d_model) * std)
+    # Pre-LN leaves the residual stream unnormalised, and the write outputs become the next
+    # segment's layer-0 inputs, so without a norm the memory grows with every segment it
+    # passes (measured at init: x44 over 200 segments of a stream) until the tokens cannot
+    # use it. Post-LN outputs are already normalised. Its gain is `rmt.memory_norm`
+    # (docs/rmt.md has what each choice measured).
+    norm = None
+    if cfg.pre_lnorm and cfg.rmt.memory_norm != "none":
+        norm = nn.LayerNorm(cfg.d_model)
+        if cfg.rmt.memory_norm == "embedding":
+            nn.init.constant_(norm.weight, std)
+    return memory_init, norm
+
+
 class RMT(RelativeBackbone):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.opts = cfg.rmt
-        # Learnable initial memory, broadcast over the batch (RMT code). Drawn at the scale of
-        # a scaled token embedding, N(0, init_std * sqrt(d)), rows independent; the authors'
-        # N(0, 1) with `[randn(1, d)] * m` makes all rows one vector. Measured on copy
-        # (docs/rmt.md): the init is not what decides learning, the layer norm placement is;
-        # pre-LN learns from either init, post-LN from neither.
-        std = cfg.init_std * cfg.d_model ** 0.5
-        self.memory_init = Learned(torch.randn(cfg.rmt.num_mem_tokens, cfg.d_model) * std)
-        # Pre-LN leaves the residual stream unnormalised, and the write outputs become the
-        # next segment's layer-0 inputs, so without a norm the memory grows with every
-        # segment it passes (measured at init: x44 over 200 segments of a stream) until the
-        # tokens cannot use it. Post-LN outputs are already normalised. Its gain is
-        # `rmt.memory_norm` (docs/rmt.md has what each choice measured).
-        self.memory_layer_norm = None
-        if cfg.pre_lnorm and cfg.rmt.memory_norm != "none":
-            self.memory_layer_norm = nn.LayerNorm(cfg.d_model)
-            if cfg.rmt.memory_norm == "embedding":
-                nn.init.constant_(self.memory_layer_norm.weight, std)
+        self.memory_init, self.memory_layer_norm = memory_token_parameters(cfg)
 
     @classmethod
     def segment_shapes(cls, cfg: ModelConfig, rows: int, mem_len: int) -> SegmentShapes:
