@@ -5,6 +5,8 @@
     memtrain prepare --corpus text --train 'books/*.txt' --tokenizer hf:ckpt/gpt2 --out data/b
     memtrain tasks copy --src-len 24 --n-segments 3 --out data/copy24
     memtrain tasks copy --src-len 24 --tokenizer hf:ckpt/gpt2 --out data/copy24-gpt2
+    memtrain tasks associative_rewrite --param n_pairs=4 --param n_rewrites=2 --n-segments 7 \
+        --out data/ar-rewrite
     memtrain tasks babilong --tasks qa1,qa2 --lengths 0,1k --seg-len 128 --background b.txt ...
 
 `--tokenizer hf:<checkpoint directory or hub name>` writes the ids of a pretrained model's own
@@ -209,13 +211,16 @@ def main_tasks(argv: list[str] | None = None) -> int:
         from .babilong.cli import main_babilong
         return main_babilong(argv[1:])
     p = _parser("memtrain tasks")
-    p.add_argument("name", help="copy, reverse, associative_retrieval, quadratic, or "
-                   "babilong (`memtrain tasks babilong --help`)")
+    p.add_argument("name", help="copy, reverse, associative_retrieval, associative_rewrite "
+                   "(ARMT's rewrite setting, docs/armt-tasks.md), quadratic, or babilong "
+                   "(`memtrain tasks babilong --help`)")
     p.add_argument("--out", required=True)
     p.add_argument("--src-len", type=int)
     p.add_argument("--n-segments", type=int, default=1)
     p.add_argument("--param", action="append", default=[], metavar="KEY=INT",
-                   help="extra task parameter, e.g. n_pairs=4")
+                   help="extra task parameter: n_pairs=K (associative_retrieval, "
+                   "associative_rewrite), n_rewrites=R (associative_rewrite), "
+                   "no_root_percent=P (quadratic)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-size", type=int)
     p.add_argument("--valid-size", type=int)

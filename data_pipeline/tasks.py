@@ -1,5 +1,7 @@
 """The algorithmic tasks of the RMT paper (Bulatov et al. 2022, §4 and App. A): copy, reverse,
-associative retrieval and quadratic equations, as seeded numpy token streams.
+associative retrieval and quadratic equations, as seeded numpy token streams; and the
+"rewrite" variant of associative retrieval that ARMT is evaluated on (Rodkin et al. 2024,
+arXiv 2407.04841; docs/armt-tasks.md).
 
 Every sample is one stream `tokens[T+1]`: input = tokens[:-1], target = tokens[1:], and the
 trainer cuts the T positions into `n_segments` equal segments (memory starts fresh per
@@ -20,6 +22,18 @@ associative_retrieval [C]
               k1 v1 .. kK vK q 10 v*, T = 2K + 2 (10 for K = 4). Loss = answer = the last
               position. [I] pad id 37 (the digit values own id 0), vocab 38; pad never occurs
               in a generated stream, it is there for consumers that need one.
+associative_rewrite (ARMT's "rewrite" setting; [A] as in the ARMT authors' code, [I] ours)
+              the ids, vocab and pad of associative_retrieval. n_pairs distinct keys (1..26)
+              with values drawn with replacement [A: values are random digits], then
+              n_rewrites pairs each re-assigning an already-written key [A: keys repeat in a
+              sample] to a value different from its current one [I: so every rewrite changes
+              what the key means]; the key of each rewrite is uniform over the n_pairs keys,
+              so a key can be rewritten several times. Stream k1 v1 .. kK vK r1 w1 .. rR wR
+              q 10 v*, T = 2(K + R) + 2 (14 for the defaults K = 4, R = 2); v* is the value
+              most recently assigned to q [A]. [I] q is, with probability 1/2, uniform over
+              the keys that were rewritten, else uniform over all K keys (the authors draw it
+              uniformly over the distinct keys): at least half of the queries need the latest
+              value, not the first. Loss = answer = the last position.
 quadratic     6 fields x 30 characters: equation | canonic form | discriminant | root 1 |
               root 2 | answer [C]; digits -> 2..11, "+-*/^=()xD;," -> 12..23, pad 0 [C].
               [I] The stream is one start token (id 1, the 'g' of the authors' vocabulary)
@@ -60,7 +74,8 @@ from math import isqrt
 
 import numpy as np
 
-TASKS: tuple[str, ...] = ("copy", "reverse", "associative_retrieval", "quadratic")
+TASKS: tuple[str, ...] = ("copy", "reverse", "associative_retrieval", "associative_rewrite",
+                          "quadratic")
 DEFAULT_SPLIT_SIZES = {"train": 100_000, "valid": 5_000, "test": 10_000}  # paper §3.6
 
 # copy / reverse [C: NUM_TOKENS=10]
@@ -70,6 +85,11 @@ DEFAULT_SRC_LEN = 24  # Fig. 3 source length
 # associative retrieval [C]; AR_PAD is ours [I]
 AR_START, AR_FIRST_KEY, AR_N_KEYS, AR_N_VALUES, AR_PAD, AR_VOCAB = 10, 11, 26, 10, 37, 38
 DEFAULT_N_PAIRS = 4
+# associative_rewrite: the default gives T = 14, seven segments of one pair each as in the
+# ARMT authors' runs (segment = key, value). The cap keeps T <= 2 * (26 + 200) + 2 = 454,
+# beyond the authors' largest rewrite setting (50 pairs).
+DEFAULT_N_REWRITES, MAX_REWRITES = 2, 200
+REWRITTEN_QUERY_SHARE = 0.5  # P(query drawn among the rewritten keys) when any was rewritten
 
 # quadratic equations [C]
 QUAD_PAD, QUAD_START = 0, 1
@@ -83,7 +103,9 @@ DEFAULT_NO_ROOT_PERCENT = 20     # paper §A.3
 
 _SPLITS = ("train", "valid", "test")
 _ALLOWED_PARAMS = {"copy": (), "reverse": (), "associative_retrieval": ("n_pairs",),
+                   "associative_rewrite": ("n_pairs", "n_rewrites"),
                    "quadratic": ("no_root_percent",)}
+_AR_NAMES = ("associative_retrieval", "associative_rewrite")  # one alphabet (ids, render)
 
 # character <-> id tables for the quadratic task; ' ' is the padding character while building
 _QUAD_ID_OF_BYTE = np.zeros(256, dtype=np.int64)
@@ -147,15 +169,19 @@ def _seq_len(name: str, params: dict) -> int:
         return 2 * params["src_len"]
     if name == "associative_retrieval":
         return 2 * params["n_pairs"] + 2
+    if name == "associative_rewrite":
+        return 2 * (params["n_pairs"] + params["n_rewrites"]) + 2
     return N_FIELDS * FIELD_LEN
 
 
 def make_task(name: str, *, src_len: int | None = None, n_segments: int = 1,
               **params) -> TaskSpec:
     """Validated task spec. copy/reverse take `src_len` (default 24); associative_retrieval
-    takes `n_pairs` (default 4, at most 10: values are distinct digits); quadratic takes
-    `no_root_percent` (default 20) and has the fixed length 180. Bad values raise ValueError
-    naming the parameter and the numbers."""
+    takes `n_pairs` (default 4, at most 10: values are distinct digits); associative_rewrite
+    takes `n_pairs` (default 4, at most 26: keys are distinct letters, values may repeat) and
+    `n_rewrites` (default 2, at most MAX_REWRITES); quadratic takes `no_root_percent` (default
+    20) and has the fixed length 180. Bad values raise ValueError naming the parameter and
+    the numbers."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; choose one of {', '.join(TASKS)}")
     unknown = sorted(set(params) - set(_ALLOWED_PARAMS[name]))
@@ -170,12 +196,20 @@ def make_task(name: str, *, src_len: int | None = None, n_segments: int = 1,
         clean = {"src_len": _int_param("src_len", src, 1)}
         vocab, pad = COPY_VOCAB, COPY_PAD
     elif src_len is not None:
-        what = "n_pairs" if name == "associative_retrieval" else "nothing (fixed length 180)"
+        what = {"associative_retrieval": "n_pairs",
+                "associative_rewrite": "n_pairs and n_rewrites"}.get(
+                    name, "nothing (fixed length 180)")
         raise ValueError(f"src_len does not apply to task {name!r} (got src_len={src_len}); "
                          f"its length is set by {what}")
     elif name == "associative_retrieval":
         k = params.get("n_pairs", DEFAULT_N_PAIRS)
         clean = {"n_pairs": _int_param("n_pairs", k, 1, min(AR_N_KEYS, AR_N_VALUES))}
+        vocab, pad = AR_VOCAB, AR_PAD
+    elif name == "associative_rewrite":
+        k = params.get("n_pairs", DEFAULT_N_PAIRS)
+        r = params.get("n_rewrites", DEFAULT_N_REWRITES)
+        clean = {"n_pairs": _int_param("n_pairs", k, 1, AR_N_KEYS),
+                 "n_rewrites": _int_param("n_rewrites", r, 0, MAX_REWRITES)}
         vocab, pad = AR_VOCAB, AR_PAD
     else:
         pct = params.get("no_root_percent", DEFAULT_NO_ROOT_PERCENT)
@@ -289,8 +323,41 @@ def _associative_retrieval(spec: TaskSpec, n: int, rng: np.random.Generator) -> 
     return TaskData(tokens, mask, mask.copy())
 
 
+def _associative_rewrite(spec: TaskSpec, n: int, rng: np.random.Generator) -> TaskData:
+    k, r = spec.params["n_pairs"], spec.params["n_rewrites"]
+    rows = np.arange(n)
+    keys = np.argsort(rng.random((n, AR_N_KEYS)), axis=1)[:, :k] + AR_FIRST_KEY  # distinct
+    current = rng.integers(0, AR_N_VALUES, size=(n, k))  # the value each key holds now
+    tokens = np.empty((n, 2 * (k + r) + 3), dtype=np.int64)
+    tokens[:, 0:2 * k:2] = keys
+    tokens[:, 1:2 * k:2] = current
+    target = rng.integers(0, k, size=(n, r))  # which key each rewrite re-assigns
+    # a uniform value among the AR_N_VALUES - 1 others: the rewrite always changes the value
+    shift = rng.integers(1, AR_N_VALUES, size=(n, r))
+    rewritten = np.zeros((n, k), dtype=bool)
+    for j in range(r):  # sequential: a rewrite depends on the value the previous ones left
+        pos = 2 * (k + j)
+        current[rows, target[:, j]] = (current[rows, target[:, j]] + shift[:, j]) % AR_N_VALUES
+        rewritten[rows, target[:, j]] = True
+        tokens[:, pos] = keys[rows, target[:, j]]
+        tokens[:, pos + 1] = current[rows, target[:, j]]
+    # the query: with probability REWRITTEN_QUERY_SHARE uniform among the rewritten keys
+    # (argmax of random scores restricted to them), else uniform among all keys
+    among_rewritten = np.argmax(np.where(rewritten, rng.random((n, k)), -1.0), axis=1)
+    anywhere = rng.integers(0, k, size=n)
+    use_rewritten = (rng.random(n) < REWRITTEN_QUERY_SHARE) & rewritten.any(axis=1)
+    pick = np.where(use_rewritten, among_rewritten, anywhere)
+    tokens[:, -3] = keys[rows, pick]
+    tokens[:, -2] = AR_START
+    tokens[:, -1] = current[rows, pick]
+    mask = np.zeros((n, spec.seq_len), dtype=bool)
+    mask[:, -1] = True
+    return TaskData(tokens, mask, mask.copy())
+
+
 _GENERATORS = {"copy": _copy_reverse, "reverse": _copy_reverse,
-               "associative_retrieval": _associative_retrieval, "quadratic": _quadratic}
+               "associative_retrieval": _associative_retrieval,
+               "associative_rewrite": _associative_rewrite, "quadratic": _quadratic}
 
 
 def generate(spec: TaskSpec, n_samples: int, seed: int) -> TaskData:
@@ -328,7 +395,7 @@ def symbol_chars(spec: TaskSpec) -> list[str]:
     (hf_tokenizer.HFVocab.single_token_ids)."""
     if spec.name in ("copy", "reverse"):
         return [_copy_char(i) for i in range(COPY_VOCAB)]
-    if spec.name == "associative_retrieval":
+    if spec.name in _AR_NAMES:
         return [_ar_char(i) for i in range(AR_VOCAB)]
     if spec.name != "quadratic":
         raise ValueError(f"unknown task {spec.name!r}")
@@ -337,13 +404,14 @@ def symbol_chars(spec: TaskSpec) -> list[str]:
 
 def render(spec: TaskSpec, tokens: np.ndarray) -> str:
     """One sample as text. copy/reverse: symbols as their ids 2..9, start '>', pad '_'
-    ("3527>35273527"). associative retrieval: keys a..z, values 0..9, start '>' ("a1b2c3d4c>3").
+    ("3527>35273527"). associative retrieval and rewrite: keys a..z, values 0..9, start '>'
+    ("a1b2c3d4c>3", "a1b2c3d4c7a5c>7").
     quadratic: the six fields joined by '|', trailing padding dropped, pad inside a field '_';
     takes a full row [181] (leading start token dropped) or a target/prediction row [180]."""
     ids = np.asarray(tokens).reshape(-1).tolist()
     if spec.name in ("copy", "reverse"):
         return "".join(map(_copy_char, ids))
-    if spec.name == "associative_retrieval":
+    if spec.name in _AR_NAMES:
         return "".join(map(_ar_char, ids))
     if spec.name != "quadratic":
         raise ValueError(f"unknown task {spec.name!r}")
@@ -358,8 +426,9 @@ def render(spec: TaskSpec, tokens: np.ndarray) -> str:
 
 def accuracy(spec: TaskSpec, predictions: np.ndarray, data: TaskData) -> float:
     """Test metric (RMT paper §4): per-character accuracy over `answer_mask` for copy,
-    reverse and associative retrieval; for quadratic the share of samples whose every answer
-    position (the whole padded answer field) is right. `predictions` are target ids [N, T]."""
+    reverse and associative retrieval (and rewrite: one answer position, so per sample); for
+    quadratic the share of samples whose every answer position (the whole padded answer
+    field) is right. `predictions` are target ids [N, T]."""
     preds = np.asarray(predictions)
     if preds.shape != data.answer_mask.shape:
         raise ValueError(f"predictions have shape {preds.shape}, expected "
