@@ -18,6 +18,18 @@ gives the memory default positions 0 .. 2m+L-1, which moves the write block with
 Attention pattern: the native RMT table (model/rmt.py `rmt_allowed`, written out in
 tests/test_rmt.py): every row reads the read block; tokens are causal among themselves; the
 write rows see the read block, every token and the whole write block.
+
+ARMT (Rodkin et al. 2024; model/armt.py) has no read block: [tokens | memory], L + m rows,
+under the base model's own causal mask (the memory rows, last, see every token), with
+
+    tokens 0 .. L-1
+    memory T .. T+m-1,       T = max(L, tgt_len)
+
+the same rule for the write block. When L < tgt_len the positions jump from L-1 to T;
+transformers reads such a jump in position ids given WITHOUT an attention mask as the start
+of another packed sequence and would cut the memory off from the tokens
+(masking_utils `find_packed_sequence_indices`), so the wrapper passes an all-ones 2-D
+padding mask, from which the model builds its plain causal mask.
 """
 
 from __future__ import annotations
@@ -41,6 +53,13 @@ def memory_position_ids(m: int, n_tok: int, tgt_len: int, device=None) -> torch.
     t = max(n_tok, tgt_len)
     return torch.cat([torch.arange(0, m + n_tok, device=device),
                       torch.arange(m + t, 2 * m + t, device=device)])[None]
+
+
+def armt_position_ids(m: int, n_tok: int, tgt_len: int, device=None) -> torch.Tensor:
+    """Position ids [1, L + m] of ARMT's [tokens | memory] (the module docstring's rule)."""
+    t = max(n_tok, tgt_len)
+    return torch.cat([torch.arange(0, n_tok, device=device),
+                      torch.arange(t, t + m, device=device)])[None]
 
 
 def memory_attention_mask(m: int, n_tok: int, dtype: torch.dtype, attn_implementation: str,

@@ -10,20 +10,40 @@ stack, so the loop, checkpoints, evaluation and generation run it unchanged. Pos
 the attention pattern are in positions.py. With m = 0 the decoder gets exactly what the base
 model's own forward gives it (no mask, default positions): the plain base model, the
 baseline without memory.
+
+With `model.mechanism: armt` (Rodkin et al. 2024; model/armt.py is the native forward):
+
+    x^0 = [E(x_τ) ∘ M]                                   tokens, then m memory tokens
+    per decoder layer l: x^{l-1} += read_l(A_l, z_l; x^{l-1});  x^l = Layer_l(x^{l-1});
+                         (A_l, z_l) <- write_l(A_l, z_l; x^l[M rows])
+    logits_τ = LMHead(x^top[tokens])
+
+under the base model's own causal mask, positions by positions.py `armt_position_ids`; the
+read and write are hooks around the base model's layers (associative.py). The state is
+`AssociativeMemory` (A, z per layer, float32), not detached here either.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from ..armt import associative_layer
+from ..associative import AssociativeMemory
 from ..backbone import Learned
 from ..config import ModelConfig
 from ..memory import RMTMemory
 from ..segment_lm import LMOutput, SegmentLM
+from .associative import armt_inputs, associative_pass, decoder_layers_name
 from .checkpoint_config import position_kind
 from .loading import apply_finetune, load_base
-from .positions import check_accepts_positions, memory_attention_mask, memory_position_ids
+from .positions import (
+    armt_position_ids,
+    check_accepts_positions,
+    memory_attention_mask,
+    memory_position_ids,
+)
 
 
 class PretrainedMemoryLM(SegmentLM):
@@ -53,12 +73,25 @@ class PretrainedMemoryLM(SegmentLM):
                 memory_scale = float(weight.detach().float().std())
             # Drawn at the scale of the pretrained token embeddings the memory sits among.
             self.memory_init = Learned(torch.randn(m, cfg.d_model) * memory_scale)
+        self.associative = None
+        if cfg.mechanism == "armt":
+            # A name, not the module list itself: a second reference to the base's layers
+            # would put them in the state dict twice.
+            self.layers_name = decoder_layers_name(base)
+            # Not in `base`, so apply_finetune leaves them trainable in every mode (memory
+            # parameters, like memory_init); W_v = 0 makes them inert at initialisation.
+            self.associative = nn.ModuleList(associative_layer(cfg)
+                                             for _ in range(cfg.n_layer))
 
     @property
     def num_mem_tokens(self) -> int:
         return self.cfg.rmt.num_mem_tokens
 
-    def initial_state(self, batch_size: int, device=None) -> RMTMemory:
+    def initial_state(self, batch_size: int, device=None) -> RMTMemory | AssociativeMemory:
+        if self.associative is not None:   # A = 0, z = 0: every row a fresh document
+            b = self.associative[0]
+            return AssociativeMemory.zeros(batch_size, self.cfg.n_layer, b.d_phi, b.d_value,
+                                           device=device)
         return RMTMemory(tokens=torch.zeros(batch_size, self.num_mem_tokens, self.cfg.d_model,
                                             device=device),
                          fresh=torch.ones(batch_size, dtype=torch.bool, device=device))
@@ -74,6 +107,8 @@ class PretrainedMemoryLM(SegmentLM):
         if state is None:
             state = self.initial_state(bsz, tokens.device)
         emb = self.base.get_input_embeddings()(tokens)
+        if self.associative is not None:
+            return self.decode_armt(emb, state)
         if m == 0:
             hidden = self.base.base_model(inputs_embeds=emb, use_cache=False)[0]
             return hidden, RMTMemory(tokens=state.tokens, fresh=torch.zeros_like(state.fresh))
@@ -89,6 +124,23 @@ class PretrainedMemoryLM(SegmentLM):
         # output alive for as long as the memory lives (every segment of a BPTT window).
         write = h[:, m + n_tok:].clone()
         return h[:, m:m + n_tok], RMTMemory(tokens=write, fresh=torch.zeros_like(state.fresh))
+
+    def decode_armt(self, emb: torch.Tensor, state: AssociativeMemory):
+        """token embeddings [B, L, d] -> (hidden [B, L, d] after the final norm, the
+        AssociativeMemory after this segment's writes)."""
+        bsz, n_tok, _ = emb.shape
+        x = armt_inputs(emb, self.memory_init(), state, self.cfg.armt.carry_tokens)
+        positions = armt_position_ids(self.num_mem_tokens, n_tok, self.cfg.tgt_len, emb.device)
+        # An all-ones padding mask: the model's own causal mask, and no packed-sequence
+        # split at the positions' jump (positions.py).
+        ones = torch.ones(bsz, x.shape[1], dtype=torch.long, device=emb.device)
+        layers = self.base.base_model.get_submodule(self.layers_name)
+        with associative_pass(layers, self.associative, state, n_tok) as writes:
+            h = self.base.base_model(inputs_embeds=x, attention_mask=ones,
+                                     position_ids=positions.expand(bsz, -1), use_cache=False)[0]
+        # Carried write outputs: a copy of the m rows, not a view of the whole output.
+        carried = h[:, n_tok:].clone() if self.cfg.armt.carry_tokens else None
+        return h[:, :n_tok], writes.state(state, tokens=carried)
 
     def _forward(self, tokens, state, targets, loss_mask, return_log_probs) -> LMOutput:
         hidden, new_state = self.decode(tokens, state)
