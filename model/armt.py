@@ -68,12 +68,15 @@ class ARMT(RelativeBackbone):
         block = associative_layer(cfg)
         d_key, d_phi = block.d_key, block.d_phi
         attn = AttentionShape(q, k, k, q_input=q, kv_input=k, mask_per_row=mem_len > 0)
-        saved = (TensorShape((rows, q, d_key)),                   # q = W_q h (read)
-                 TensorShape((rows, q, d_phi), "fp32", count=3),  # phi(q) and its 2 factors
-                 TensorShape((rows, q, d), "fp32", count=2),      # phi^T A, its quotient
-                 TensorShape((rows, m, 2 * d_key + d)),           # k, v (write)
-                 TensorShape((rows, m, d_phi), "fp32", count=3),  # phi(k) and its factors
-                 TensorShape((rows, m, d), "fp32", count=2))      # vbar, v - vbar
+        saved = (TensorShape((rows, q, d)),                        # read: its input (W_q's)
+                 TensorShape((rows, q, d_key), "fp32", count=2),   # relu(+-W_q h)
+                 TensorShape((rows, q, d_phi), "fp32", count=3),   # DPFP's 2 factors, phi
+                 TensorShape((rows, q, d), "fp32"),                # phi^T A
+                 TensorShape((rows, q), "fp32"),                   # phi^T z + eps
+                 TensorShape((rows, m, d_key), "fp32", count=2),   # write: relu(+-W_k m)
+                 TensorShape((rows, m, d_phi), "fp32", count=3),   # factors, phi (as bmm's)
+                 TensorShape((rows, m, d), "fp32", count=3),       # v, phi^T A, beta (v-vbar)
+                 TensorShape((rows, m), "fp32", count=6))          # beta, dens, gamma
         state_read = (TensorShape((rows, d_phi, d), "fp32"), TensorShape((rows, d_phi), "fp32"))
         layer = LayerShape((attn,), out_rows=q, input_rows=q, input_saved=True, saved=saved,
                            state_read=state_read)

@@ -235,6 +235,8 @@ class AssociativeLayer(nn.Module):
             gamma = (1 - den / (f.square().sum(-1) + self.eps)).clamp(0, 1).detach()
         else:
             gamma = torch.ones_like(den)
-        A_new = A + torch.einsum("bmf,bmv,bm->bfv", f, v - v_old, beta)
+        # sum_i phi(k_i) (beta_i (v_i - vbar_i))^T as one batched matmul: a three-operand
+        # einsum may form (and save for backward) the m-times-larger [B, d_phi * d_v, m].
+        A_new = A + torch.einsum("bmf,bmv->bfv", f, (v - v_old) * beta[..., None])
         z_new = z + torch.einsum("bmf,bm->bf", f, gamma)
         return A_new, z_new

@@ -42,8 +42,10 @@ def _float_bytes(value) -> int:
     tiny_config("lamemo", n_layer=3, mem_len=3), tiny_config("rmt", mem_len=0),
     tiny_config("rmt", mem_len=5, pre_lnorm=True),
     tiny_config("lamemo", lamemo={"look_ahead": False}),
+    tiny_config("armt", mem_len=0), tiny_config("armt", mem_len=5, pre_lnorm=True),
+    tiny_config("armt", mem_len=0, pre_lnorm=True, armt={"carry_tokens": True}),
 ], ids=["xl", "xl-no-memory", "lamemo", "lamemo-short-memory", "rmt", "rmt-cache",
-        "lamemo-without-look-ahead"])
+        "lamemo-without-look-ahead", "armt", "armt-cache", "armt-carried-tokens"])
 def test_each_mechanism_states_the_shapes_its_forward_runs(cfg, monkeypatch):
     """One segment with a full memory: every attention call's (queries, keys, distances,
     with a graph or not) in forward order, and the floating-point bytes of the new state."""

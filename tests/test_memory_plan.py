@@ -102,6 +102,8 @@ TINY = {
     "lamemo": dict(mechanism="lamemo", mem_len=48),
     "rmt": dict(mechanism="rmt", mem_len=0, rmt={"num_mem_tokens": 8}),
     "rmt-cache": dict(mechanism="rmt", mem_len=32, pre_lnorm=True, rmt={"num_mem_tokens": 4}),
+    "armt": dict(mechanism="armt", mem_len=0, pre_lnorm=True, rmt={"num_mem_tokens": 8},
+                 armt={"d_key": 16}),
 }
 
 
@@ -205,7 +207,8 @@ def test_cli_usage_errors_exit_two(capsys):
 
 
 @pytest.mark.parametrize("name,depth,ckpt", [("xl", 1, False), ("lamemo", 0, False),
-                                             ("rmt", 2, False), ("rmt-cache", 1, True)])
+                                             ("rmt", 2, False), ("rmt-cache", 1, True),
+                                             ("armt", 2, False), ("armt", 1, True)])
 def test_activation_model_matches_measured_bytes(name, depth, ckpt):
     """A tiny window on the CPU: the allocator's peak over forward + backward within 15% of
     the model (the accuracy target), and autograd's saved tensors (bytes by storage), which the

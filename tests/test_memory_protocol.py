@@ -11,7 +11,7 @@ import pytest
 import torch
 from reference import run_segments, sharpened_model
 
-from model import LaMemoMemory, MemoryState, RMTMemory, XLMemory
+from model import AssociativeMemory, LaMemoMemory, MemoryState, RMTMemory, XLMemory
 
 VOCAB = 50
 SEG = 4  # tgt_len
@@ -25,8 +25,16 @@ SETUPS = {
     "lamemo": ("lamemo", MEM),
     "rmt": ("rmt", 0),
     "rmt+cache": ("rmt", MEM),
+    "armt": ("armt", 0),
+    "armt+cache": ("armt", MEM),
 }
-STATE_TYPES = {"xl": XLMemory, "lamemo": LaMemoMemory, "rmt": RMTMemory}
+STATE_TYPES = {"xl": XLMemory, "lamemo": LaMemoMemory, "rmt": RMTMemory,
+               "armt": AssociativeMemory}
+# What carries the graph into earlier segments (the BPTT path the caller cuts by detaching):
+# RMT's memory tokens, ARMT's association matrices and normalisers.
+GRAPH_FIELDS = {"rmt": {"tokens"}, "armt": {"A", "z"}}
+# Float fields that stay float32 whatever dtype the state is moved to.
+FP32_FIELDS = {"lamemo": ("log_norm",), "armt": ("A", "z")}
 
 
 def make_model(setup: str, seed: int = 0):
@@ -89,13 +97,15 @@ def test_state_has_the_mechanisms_type_and_every_part_is_populated(setup):
     assert type(state) is STATE_TYPES[SETUPS[setup][0]]
     assert state.batch_size == BATCH
     ts = tensors(state)
-    if setup == "rmt":
+    if setup in ("rmt", "armt"):
         assert state.cache is None
-    if setup == "rmt+cache":
+    if setup in ("rmt+cache", "armt+cache"):
         assert isinstance(state.cache, XLMemory) and len(state.cache.hids) == 2
     if setup in ("xl", "lamemo"):
         assert state.mem_len_now == MEM
     assert all(t.numel() > 0 for t in ts.values())
+    if SETUPS[setup][0] == "armt":
+        assert state.writes.tolist() == [3] * BATCH and state.A.abs().sum() > 0
 
 
 # --------------------------------------------------------------------------- batch-first
@@ -131,13 +141,14 @@ def test_select_rows_of_initial_state_gives_same_outputs_as_fresh_run(setup):
 
 # --------------------------------------------------------------------------- detach
 @pytest.mark.parametrize("setup", SETUPS)
-def test_model_output_state_carries_a_graph_only_for_rmt_tokens(setup):
+def test_model_output_state_carries_a_graph_only_for_rmt_tokens_and_armt_matrices(setup):
     model = make_model(setup)
     state = state_after(model)  # grad mode on: the forward builds a graph
+    graph = GRAPH_FIELDS.get(SETUPS[setup][0], set())
     for name, t in tensors(state).items():
-        if name == "tokens":  # RMT memory tokens: the BPTT path into earlier segments
+        if name in graph:  # the BPTT path into earlier segments
             assert t.grad_fn is not None and t.requires_grad, name
-        else:  # XL cache, LaMemo state, RMT's XL cache and flags: always stop-gradient
+        else:  # XL cache, LaMemo state, the caches beside them, flags: always stop-gradient
             assert t.grad_fn is None and not t.requires_grad, name
 
 
@@ -150,8 +161,9 @@ def test_detach_returns_new_state_without_graph_and_same_values(setup):
     for name, t in tensors(det).items():
         assert t.grad_fn is None and not t.requires_grad, name
     assert_states_equal(det, state)  # values unchanged (torch.equal ignores autograd)
-    if SETUPS[setup][0] == "rmt":
-        assert state.tokens.grad_fn is not None  # functional: the original keeps its graph
+    for name in GRAPH_FIELDS.get(SETUPS[setup][0], ()):
+        # functional: the original keeps its graph
+        assert getattr(state, name).grad_fn is not None, name
 
 
 def test_detached_rmt_state_stops_gradient_into_previous_segment():
@@ -257,15 +269,16 @@ def test_reset_rows_is_functional_and_keeps_batch_size(setup):
 
 # --------------------------------------------------------------------------- to(dtype)
 @pytest.mark.parametrize("setup", SETUPS)
-def test_to_float64_converts_floats_but_keeps_lamemo_log_norm_fp32_and_int_bool_dtypes(setup):
+def test_to_float64_converts_floats_but_keeps_the_fp32_fields_and_int_bool_dtypes(setup):
     model = make_model(setup)
     state = state_after(model).detach()
     moved = state.to(dtype=torch.float64)
     assert type(moved) is type(state)
     orig = tensors(state)
+    fp32 = FP32_FIELDS.get(SETUPS[setup][0], ())
     for name, t in tensors(moved).items():
         o = orig[name]
-        if name.startswith("log_norm"):
+        if name.startswith(fp32):
             assert t.dtype == torch.float32, name
         elif o.is_floating_point():
             assert t.dtype == torch.float64, name
@@ -295,7 +308,10 @@ def test_float64_state_continues_a_float64_model_like_the_float32_run(setup):
         assert_close(g.float(), w, atol=1e-4, rtol=1e-4)
     for name, t in tensors(new).items():
         if t.is_floating_point():
-            assert t.dtype == (torch.float32 if name.startswith("log_norm") else torch.float64)
+            # LaMemo computes its log-normalisers in float32 whatever the model's dtype;
+            # ARMT's A and z are float32 at least, so a float64 model keeps float64.
+            fp32 = ("log_norm",) if SETUPS[setup][0] == "lamemo" else ()
+            assert t.dtype == (torch.float32 if name.startswith(fp32) else torch.float64)
 
 
 # --------------------------------------------------------------------------- state_dict
