@@ -162,7 +162,7 @@ def _tiny_token_manifest(tmp_path, rows: int, steps: int):
     return load_manifest(tmp_path)
 
 
-@pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt"])
+@pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt", "armt"])
 def test_reset_flags_forget_the_memory_on_exactly_the_flagged_rows_across_an_epoch_end(
         tmp_path, mechanism):
     """The consumer side of the stream's `reset` flags: run_window over a TokenStream that

@@ -4,7 +4,7 @@ import pytest
 import torch
 from reference import tiny_model
 
-MECHS = ["xl", "lamemo", "rmt"]
+MECHS = ["xl", "lamemo", "rmt", "armt"]
 
 
 def two_segment_step(model, x, seed):

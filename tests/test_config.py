@@ -176,7 +176,7 @@ def _mem_len_now(state) -> int:
     return cache.mem_len_now if cache is not None else state.mem_len_now
 
 
-@pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt"])
+@pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt", "armt"])
 def test_evaluating_with_larger_mem_len_carries_a_longer_memory(mechanism):
     # Trained with mem_len 4 (for RMT: the XL cache beside the memory tokens).
     cfg = config(mechanism=mechanism, rmt={"num_mem_tokens": 3})

@@ -111,13 +111,15 @@ def test_rmt_adds_exactly_the_learnable_initial_memory(num_mem_tokens, mem_len):
     assert n - xl == num_mem_tokens * 410
 
 
-@pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt"])
+@pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt", "armt"])
 def test_meta_count_equals_real_count_on_a_small_model(mechanism):
     # The meta-device build must not change the parameter set.
     cfg = dict(mechanism=mechanism, vocab_size=300, cutoffs=[50, 100], n_layer=2, d_model=32,
                n_head=4, d_inner=64, tgt_len=4, mem_len=4, tie_projs=[False, True, True],
-               rmt={"num_mem_tokens": 3})
+               rmt={"num_mem_tokens": 3}, armt={"d_key": 8})
     real = build_model(ModelConfig(**cfg)).num_params()
     assert meta_count(**cfg) == real
-    extra = {"xl": 0, "lamemo": 4 * 8, "rmt": 3 * 32}[mechanism]
+    # ARMT per layer: W_q, W_k (d x d_key), W_v (d x d), the gate (d + 1); and RMT's memory.
+    armt = 2 * (2 * 32 * 8 + 32 * 32 + 32 + 1) + 3 * 32
+    extra = {"xl": 0, "lamemo": 4 * 8, "rmt": 3 * 32, "armt": armt}[mechanism]
     assert real == xl_count({**cfg, "d_head": 8}) + extra

@@ -30,7 +30,7 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("dist")
 
 
-@pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt", "xl-adaptive"])
+@pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt", "armt", "xl-adaptive"])
 def test_zero_1_2_3_train_exactly_like_zero0_losses_grad_norms_and_exported_weights(
         mechanism, zero_run):
     # Same seed, same rows, same windows: partitioning must not change the arithmetic beyond

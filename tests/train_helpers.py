@@ -144,6 +144,10 @@ ZERO_RUN_SECTIONS = {
     "rmt": dict(max_steps=10, model={"mechanism": "rmt", "mem_len": 4,
                                      "rmt": {"num_mem_tokens": 3}},
                 bptt={"depth": 1, "checkpoint_segments": True}, eval={"max_segments": 4}),
+    # ARMT likewise: the association matrices carried through a window of 2 segments.
+    "armt": dict(max_steps=10, model={"mechanism": "armt", "mem_len": 4,
+                                      "rmt": {"num_mem_tokens": 3}, "armt": {"d_key": 8}},
+                 bptt={"depth": 1, "checkpoint_segments": True}, eval={"max_segments": 4}),
 }
 
 
