@@ -24,14 +24,15 @@ from common import add_model_size_args, interleaved, status_kib, timed_step
 
 from model import ModelConfig, build_model
 
-VARIANTS = [(m, i) for m in ("xl", "lamemo", "rmt") for i in ("fused", "plain")]
+MECHANISMS = ("xl", "lamemo", "rmt", "armt")
 
 
 def make_config(args, mechanism: str, impl: str) -> ModelConfig:
     return ModelConfig(mechanism=mechanism, vocab_size=args.vocab, n_layer=args.n_layer,
                        d_model=args.d_model, n_head=args.n_head, d_inner=args.d_inner,
                        dropout=args.dropout, tgt_len=args.seg_len, mem_len=args.mem_len,
-                       attn_impl=impl, rmt={"num_mem_tokens": args.num_mem_tokens})
+                       attn_impl=impl, rmt={"num_mem_tokens": args.num_mem_tokens},
+                       armt={"d_key": args.d_key})
 
 
 class Runner:
@@ -40,8 +41,8 @@ class Runner:
     def __init__(self, args, mechanism: str, impl: str, seed: int = 0):
         torch.manual_seed(seed)
         cfg = make_config(args, mechanism, impl)
-        if mechanism == "rmt":
-            cfg.mem_len = 0  # RMT alone: memory tokens, no XL cache
+        if mechanism in ("rmt", "armt"):
+            cfg.mem_len = 0  # RMT / ARMT alone: memory tokens, no XL cache
         self.model = build_model(cfg).train()
         self.args = args
         self.data = torch.randint(0, args.vocab, (args.batch, 64 * (args.seg_len + 1)))
@@ -57,8 +58,12 @@ class Runner:
         return elapsed
 
 
+def variants(args) -> list[tuple[str, str]]:
+    return [(m, i) for m in args.mechanisms for i in ("fused", "plain")]
+
+
 def measure_speed(args) -> dict:
-    runners = {f"{m}-{i}": Runner(args, m, i) for m, i in VARIANTS}
+    runners = {f"{m}-{i}": Runner(args, m, i) for m, i in variants(args)}
     for r in runners.values():  # warm-up: fills the memory to mem_len, first-call costs
         for _ in range(max(2, -(-args.mem_len // args.seg_len) + 1)):
             r.step()
@@ -79,7 +84,8 @@ def measure_memory(args, mechanism: str, impl: str) -> float:
     """MB of peak-RSS growth during training steps, in a fresh process."""
     cmd = [sys.executable, __file__, "--_memory-child", f"{mechanism},{impl}",
            *[f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-             if k not in ("json", "rounds", "memory", "_memory_child", "only", "steps")]]
+             if k not in ("json", "rounds", "memory", "_memory_child", "only", "steps",
+                          "mechanisms")]]
     # Large blocks through mmap: freed memory leaves the RSS at once, so the RSS between
     # steps is the true baseline and the high-water mark is the step's own peak.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -109,6 +115,9 @@ def main(argv=None) -> int:
     p.add_argument("--seg-len", type=int, default=128)
     p.add_argument("--mem-len", type=int, default=128)
     p.add_argument("--num-mem-tokens", type=int, default=16)
+    p.add_argument("--d-key", type=int, default=64, help="ARMT's key width (model.armt.d_key)")
+    p.add_argument("--mechanisms", default=",".join(MECHANISMS),
+                   help="which to run, comma-separated (xl is the ratios' base: always run)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--threads", type=int, default=2)
@@ -121,6 +130,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10, help="steps of --only")
     p.add_argument("--_memory-child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.mechanisms = ["xl", *(m for m in args.mechanisms.split(",") if m and m != "xl")]
+    unknown = sorted(set(args.mechanisms) - set(MECHANISMS))
+    if unknown:
+        p.error(f"--mechanisms: unknown {', '.join(unknown)}; choose from {MECHANISMS}")
     torch.set_num_threads(args.threads)
     if args._memory_child:
         memory_child(args)
@@ -134,7 +147,8 @@ def main(argv=None) -> int:
     speed = measure_speed(args)
     print(f"torch {torch.__version__}, {args.threads} threads; {args.n_layer} layers, d_model "
           f"{args.d_model}, {args.n_head} heads, d_inner {args.d_inner}, segment "
-          f"{args.seg_len}, memory {args.mem_len} (RMT: {args.num_mem_tokens} tokens), batch "
+          f"{args.seg_len}, memory {args.mem_len} (RMT, ARMT: {args.num_mem_tokens} tokens, "
+          f"ARMT d_key {args.d_key}), batch "
           f"{args.batch}, dropout {args.dropout}, fp32; {args.rounds} interleaved rounds")
     print(f"{'variant':<15}{'tokens/s':>10}{'s/step':>9}{'time vs xl-fused':>18}"
           f"{'peak MB':>9}")
@@ -145,9 +159,18 @@ def main(argv=None) -> int:
         mem = f"{r['peak_mb']:>9.0f}" if args.memory else ""
         print(f"{name:<15}{r['tokens_per_s']:>10.0f}{r['median_s_per_step']:>9.3f}"
               f"{r['time_ratio_vs_xl_fused']:>18.2f}{mem}")
-    lamemo_vs_xl = speed["lamemo-fused"]["median_s_per_step"] / min(
-        speed["xl-fused"]["median_s_per_step"], speed["xl-plain"]["median_s_per_step"])
-    print(f"LaMemo (fused) time per token / best XL: {lamemo_vs_xl:.2f}x (goal <= 1.25x)")
+    def best(m):
+        return min(speed[f"{m}-{i}"]["median_s_per_step"] for i in ("fused", "plain"))
+    if "lamemo" in args.mechanisms:
+        print(f"LaMemo (fused) time per token / best XL: "
+              f"{speed['lamemo-fused']['median_s_per_step'] / best('xl'):.2f}x (goal <= 1.25x)")
+    if {"rmt", "armt"} <= set(args.mechanisms):
+        line = f"ARMT / RMT, best of each: time per token {best('armt') / best('rmt'):.2f}x"
+        if args.memory:
+            peak = {m: min(speed[f"{m}-{i}"]["peak_mb"] for i in ("fused", "plain"))
+                    for m in ("rmt", "armt")}
+            line += f", peak memory {peak['armt'] / peak['rmt']:.2f}x"
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": speed}, f, indent=2)
