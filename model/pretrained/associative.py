@@ -16,8 +16,10 @@ whole segment (segment checkpointing recomputes `_forward`) installs its own.
 
 Under HF gradient checkpointing (`model.checkpoint_layers`) transformers checkpoints a
 layer's `forward`, not its `__call__` (modeling_layers.py `GradientCheckpointingLayer`),
-so the hooks run once, outside the recomputed region: the read's output is the
-checkpointed layer's input and the write reads the layer's output, as without it.
+so the hooks run outside the recomputed region. They then checkpoint the read and the
+write themselves (`checkpoint=True`): per layer only the read's input and output (the
+layer's input) and the state stay, as checkpointing a layer promises, and nothing is
+computed twice in the forward.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from ..associative import AssociativeLayer, AssociativeMemory
+from ..associative import AssociativeLayer, AssociativeMemory, FeatureMap
+from ..shapes import StatedBlock, TensorShape
 from ..typed import ConfigError
 
 
@@ -68,24 +72,30 @@ def _hidden(output):
 
 @contextmanager
 def associative_pass(layers: nn.ModuleList, blocks: nn.ModuleList, state: AssociativeMemory,
-                     n_tok: int) -> Iterator[SegmentWrites]:
+                     n_tok: int, checkpoint: bool = False) -> Iterator[SegmentWrites]:
     """For the body of a with-block (one run of the base model over [tokens ∘ memory]):
     layer i's input gets block i's read of the incoming state, and block i writes the
-    memory rows (those after the first `n_tok`) of layer i's output. Yields the writes."""
+    memory rows (those after the first `n_tok`) of layer i's output. Yields the writes.
+    `checkpoint`: keep only the inputs of each read and write, recompute them in backward
+    (non-reentrant, as the layers' own checkpointing)."""
     writes = SegmentWrites(A=[None] * len(layers), z=[None] * len(layers))
+
+    def run(fn, *args):
+        return _checkpoint(fn, *args, use_reentrant=False) if checkpoint else fn(*args)
 
     def read_hook(i: int, block: AssociativeLayer):
         def hook(module, args, kwargs):
             A, z = state.layer(i)
             if args:   # the hidden states come first, positionally or by name
-                return (block.read(A, z, args[0]), *args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": block.read(A, z, kwargs["hidden_states"])}
+                return (run(block.read, A, z, args[0]), *args[1:]), kwargs
+            return args, {**kwargs,
+                          "hidden_states": run(block.read, A, z, kwargs["hidden_states"])}
         return hook
 
     def write_hook(i: int, block: AssociativeLayer):
         def hook(module, args, output):
             A, z = state.layer(i)
-            writes.A[i], writes.z[i] = block.write(A, z, _hidden(output)[:, n_tok:])
+            writes.A[i], writes.z[i] = run(block.write, A, z, _hidden(output)[:, n_tok:])
         return hook
 
     handles = []
@@ -111,3 +121,41 @@ def armt_inputs(tokens_emb: torch.Tensor, memory_init: torch.Tensor,
         fresh = (state.writes == 0)[:, None, None]
         mem = torch.where(fresh, init, state.tokens.to(tokens_emb.dtype))
     return torch.cat([tokens_emb, mem], dim=1)
+
+
+def associative_shapes(cfg, rows: int, q: int, trained_params: int
+                       ) -> tuple[StatedBlock, tuple[TensorShape, ...], str,
+                                  tuple[TensorShape, ...]]:
+    """For the planner (shapes.py): one layer's associative read and write as a stated
+    block, the state (A, z per layer, float32; the carried tokens where configured) and its
+    text. What autograd keeps (model/associative.py; listed off a tiny model's saved
+    tensors): the read's input h, the two ReLU outputs of DPFP, its two factors and phi(q)
+    (which the einsum keeps when A requires grad: from a window's second segment on), phi^T A
+    and phi^T z (the division's operands); the write's inputs (each projection copies the
+    strided memory rows), the ReLU outputs, the factors and phi(k), vbar's operands, v - vbar
+    and its gated product, beta. In a window's first segment phi(q) is not kept (A does not
+    require grad). Last, the incoming A and z, which every layer's einsums read: for the
+    segment's input side (the embedding block, which layer checkpointing leaves alone);
+    made inside the window from its second segment on, in its first one they are the
+    carried state itself (counted once more)."""
+    o, t = cfg.armt, TensorShape
+    b, m, d, dk = rows, cfg.rmt.num_mem_tokens, cfg.d_model, o.d_key
+    d_phi = FeatureMap(o.feature_map, o.nu).out_dim(dk)
+    fp32 = lambda *shape, n=1: t(shape, "fp32", count=n, category="extra")  # noqa: E731
+    block = StatedBlock(
+        "associative",
+        saved=(t((b, q, d), category="extra"), fp32(b, q, dk, n=2), fp32(b, q, d_phi, n=3),
+               fp32(b, q, d), fp32(b, q, 1),
+               t((b, m, d), count=3, category="extra"), fp32(b, m, dk, n=2),
+               fp32(b, m, d_phi, n=3), fp32(b, m, d, n=3), fp32(b, m, 1, n=3)),
+        alive=(t((b, q, d)),),
+        # the features' and the retrieved values' fp32 gradients, A's from read and write
+        phases=((t((b, q, d_phi), "fp32", 2), t((b, q, d), "fp32", 2),
+                 t((b, d_phi, d), "fp32", 2)),),
+        trained_params=trained_params)
+    state = [t((b, cfg.n_layer, d_phi, d), "fp32"), t((b, cfg.n_layer, d_phi), "fp32")]
+    text = f"ARMT A [{b}, {cfg.n_layer}, {d_phi}, {d}] + z [{b}, {cfg.n_layer}, {d_phi}] fp32"
+    if o.carry_tokens:
+        state.append(t((b, m, d)))
+        text += f", memory tokens [{b}, {m}, {d}]"
+    return block, tuple(state), text, tuple(state[:2])

@@ -30,6 +30,12 @@ d_head, intermediate size I, vocabulary V:
   dtype), since that depends on the device.
 The state: the write rows' copy [B, m, d].
 
+ARMT (`mechanism: armt`, Rodkin et al. 2024; wrapper.py, associative.py): Q = L + m rows
+[tokens | memory] under the base model's causal mask, no read block; before each layer an
+associative block (associative.py `associative_shapes`: its read and write, and the layer's
+A and z), and the state A, z per layer in float32. Under `checkpoint_layers` the hooks
+checkpoint the read and write too: a layer keeps the read's input and output, 2Q rows.
+
 Which parameters train is read from the model itself, built on the meta device from the
 checkpoint's config (no weights): the same `apply_finetune` (full, frozen, LoRA on peft's
 or the configured targets) that training runs.
@@ -44,6 +50,7 @@ from dataclasses import dataclass
 
 from ..shapes import SdpaShape, SegmentShapes, StatedBlock, StatedLayer, TensorShape
 from ..typed import ConfigError
+from .associative import associative_shapes
 from .checkpoint_config import hf_config, position_kind
 
 
@@ -185,6 +192,7 @@ def _base(key: str) -> Base:
                  "ffn": _trained(layer, (lay.ffn_norm, *lay.ffn_in)),
                  "ffn-out": _trained(layer, (lay.ffn_out,)),
                  "embedding": _trained(top, lay.embeddings) + _trained(lm, ("memory_init",)),
+                 "associative": _trained(lm, ("associative.0.",)),
                  "head": _trained(top, (lay.final_norm,))
                  + (0 if head.weight is base.get_input_embeddings().weight
                     else _trained(head, ("",)))},
@@ -197,9 +205,9 @@ def _base(key: str) -> Base:
 def base_facts(cfg) -> Base:
     """The meta model's facts for `cfg` (a ModelConfig with `backbone: hf`); independent of
     the segment length, so one build serves every length the planner tries."""
-    key = {"mechanism": "rmt", "backbone": "hf", "mem_len": 0, "tgt_len": 1,
+    key = {"mechanism": cfg.mechanism, "backbone": "hf", "mem_len": 0, "tgt_len": 1,
            "rmt": {"num_mem_tokens": cfg.rmt.num_mem_tokens},
-           "hf": dataclasses.asdict(cfg.hf)}
+           "armt": dataclasses.asdict(cfg.armt), "hf": dataclasses.asdict(cfg.hf)}
     return _base(json.dumps(key, sort_keys=True))
 
 
@@ -274,7 +282,9 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
     f = base_facts(cfg)
     lay = LAYOUTS[f.model_type]
     b, m, n = rows, cfg.rmt.num_mem_tokens, cfg.tgt_len
-    q, d, h, dh, inner = 2 * m + n, cfg.d_model, cfg.n_head, cfg.d_head, cfg.d_inner
+    armt = cfg.mechanism == "armt"
+    q = n + m if armt else 2 * m + n     # [tokens | memory] or [read | tokens | write]
+    d, h, dh, inner = cfg.d_model, cfg.n_head, cfg.d_head, cfg.d_inner
     vocab, lin, t = cfg.vocab_size, f.linears, TensorShape
     g, gi = t((b, q, d)), t((b, q, inner))      # a gradient of the residual stream / the FFN
     qkv, ffn_in = [lin[x] for x in lay.qkv], [lin[x] for x in lay.ffn_in]
@@ -285,7 +295,10 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
         "attention",
         saved=(*_norm(lay, b, q, d, f.norm_trains[lay.attn_norm]),
                *_inputs(qkv, b, q, d, "qkv"),
-               t((b, h, q, dh), count=3, category="qkv")),       # q, k, v as SDPA reads them
+               t((b, h, q, dh), category="qkv"),                 # q, k, v as SDPA reads them:
+               # ARMT passes no mask, so transformers lets SDPA read grouped keys and
+               # values (enable_gqa) instead of copies repeated to H heads
+               t((b, f.kv_heads if armt else h, q, dh), count=2, category="qkv")),
         alive=(g,),
         phases=((t((b, q, 3 * h * dh)), g, *_weights(qkv, d, h * dh)),   # the projections
                 _norm_backward(lay, b, q, d)),
@@ -323,7 +336,19 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
         alive=(g,), phases=((gi, *_weights([lin[lay.ffn_out]], inner, d)),),
         trained_params=f.trained["ffn-out"],
         ops=(*mm([lin[lay.ffn_out]], [d], inner), *_draws(f.dropout, (b, q, d))))
-    layer = StatedLayer((attention, attention_out, ffn, ffn_out), input_rows=q)
+    blocks = (attention, attention_out, ffn, ffn_out)
+    state, state_text = (t((b, m, d)),), f"RMT memory [{b}, {m}, {d}]"
+    state_read = ()
+    if armt:
+        assoc, state, state_text, state_read = associative_shapes(cfg, b, q,
+                                                                  f.trained["associative"])
+        # Through a segment's backward the gradient of its incoming state stays alive
+        # (each layer's slice adds into it); the planner walks a window's last segment,
+        # whose outgoing state has none (the earlier ones hold that one too, with less
+        # else alive).
+        blocks = tuple(dataclasses.replace(blk, alive=blk.alive + state_read)
+                       for blk in (assoc, *blocks))
+    layer = StatedLayer(blocks, input_rows=2 * q if armt else q)
     ids = [t((b, n), "int64", category="head")] if f.embedding_trains[0] else []
     tables = [t((vocab, d))] if f.embedding_trains[0] else []    # the dense [V, d] gradient
     if len(f.embedding_trains) > 1 and f.embedding_trains[1]:      # GPT-2's position table
@@ -331,7 +356,9 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
         tables.append(t((f.positions, d)))
     embedding = StatedBlock(
         "embedding",
-        saved=(*ids, *([t((b, 1, 1), "bool")] if m else []),     # where(fresh, init, memory)
+        saved=(*ids, *([t((b, 1, 1), "bool")]                   # where(fresh, init, memory)
+                       if m and (not armt or cfg.armt.carry_tokens) else []),
+               *state_read,                                      # ARMT's A and z
                *_dropout(f.embd_dropout, (b, q, d)),
                *([t((b, q, dh), count=2, category="rotary")] if f.rotary else [])),
         alive=(g,), phases=(tuple(tables),),
@@ -353,9 +380,9 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
         # the weight trains, else it runs a bmm (an "attention" matmul to the policies)
         ops=(t((b, n, vocab), category="linear" if f.head.trains or not m else "bmm"),))
     return SegmentShapes((layer,) * cfg.n_layer, distances=0, output_rows=q,
-                         state=(t((b, m, d)),), state_text=f"RMT memory [{b}, {m}, {d}]",
-                         embedding=embedding, head=head,
-                         saved_label="the memory rows' fresh flags (torch.where)")
+                         state=state, state_text=state_text, embedding=embedding, head=head,
+                         saved_label="the associative read and write" if armt else
+                         "the memory rows' fresh flags (torch.where)")
 
 
 @dataclass(frozen=True)

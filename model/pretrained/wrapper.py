@@ -135,7 +135,10 @@ class PretrainedMemoryLM(SegmentLM):
         # split at the positions' jump (positions.py).
         ones = torch.ones(bsz, x.shape[1], dtype=torch.long, device=emb.device)
         layers = self.base.base_model.get_submodule(self.layers_name)
-        with associative_pass(layers, self.associative, state, n_tok) as writes:
+        # With the layers checkpointed (HF gradient checkpointing), the hooks' read and
+        # write are too (associative.py).
+        ckpt = self.cfg.checkpoint_layers and self.training and torch.is_grad_enabled()
+        with associative_pass(layers, self.associative, state, n_tok, ckpt) as writes:
             h = self.base.base_model(inputs_embeds=x, attention_mask=ones,
                                      position_ids=positions.expand(bsz, -1), use_cache=False)[0]
         # Carried write outputs: a copy of the m rows, not a view of the whole output.
