@@ -227,10 +227,12 @@ def test_a_planned_segment_is_what_autograd_keeps_from_the_second_segment_on(
 
 
 def test_memtrain_plan_states_the_associative_memory_and_counts_its_parameters(
-        ckpt, capsys, monkeypatch):
+        ckpt, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(ROOT)
+    # No data there: planned as a token stream, whose state is carried between windows.
     assert main_plan(["--config", "copy-llama-hf-cpu", "--gpu", "a100-80gb",
-                      "model.mechanism=armt", "model.armt.d_key=16"]) == 0
+                      "model.mechanism=armt", "model.armt.d_key=16",
+                      f"data.path={tmp_path / 'stream'}"]) == 0
     out = capsys.readouterr().out
     # d_phi = 2 nu d_key = 96 (DPFP); 32 rows per rank; fp32 whatever the precision.
     assert "ARMT A [32, 2, 96, 64] + z [32, 2, 96] fp32" in out
