@@ -254,7 +254,7 @@ def report(setup: Setup, gpu: str, nodes: int, per_node: int) -> tuple[str, bool
     carried, w = _window(setup, k, mem, seg, lay)
     trained = (f" ({setup.params.trained_total:,} trained, model.hf.finetune "
                f"{m.hf.finetune})" if setup.params.frozen else "")
-    what = f"{m.hf.path} + RMT" if m.backbone == "hf" else m.mechanism
+    what = f"{m.hf.path} + {m.mechanism.upper()}" if m.backbone == "hf" else m.mechanism
     lines = [f"memtrain plan: {c.name}, {what} {m.n_layer} x {m.d_model}, "
              f"{setup.params.total:,} parameters{trained}",
              f"  {nodes} x {per_node} {gpu} = {setup.world} ranks, {_gib(setup.gpu_bytes).strip()}"

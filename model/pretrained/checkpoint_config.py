@@ -101,12 +101,14 @@ def resolve_shape(cfg) -> None:
         setattr(cfg, name, value)
     kind = position_kind(hf)
     limit = getattr(hf, "max_position_embeddings", None)
-    need = max_position(cfg.rmt.num_mem_tokens, cfg.tgt_len)
+    blocks = 1 if cfg.mechanism == "armt" else 2
+    need = max_position(cfg.rmt.num_mem_tokens, cfg.tgt_len, blocks)
     if kind == "absolute" and limit is not None and need > limit:
-        raise ConfigError("model.tgt_len", f"2 x num_mem_tokens + tgt_len = {need} positions, "
-                          f"beyond the model's learned table of {limit}")
+        raise ConfigError("model.tgt_len", f"{blocks} x num_mem_tokens + tgt_len = {need} "
+                          f"positions, beyond the model's learned table of {limit}")
 
 
-def max_position(m: int, tgt_len: int) -> int:
-    """Highest position id a segment of the trained length uses, plus one."""
-    return 2 * m + tgt_len
+def max_position(m: int, tgt_len: int, blocks: int = 2) -> int:
+    """Highest position id a segment of the trained length uses, plus one: RMT's read and
+    write blocks (2 x m) or ARMT's memory tokens after the segment (1 x m)."""
+    return blocks * m + tgt_len
