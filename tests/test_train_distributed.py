@@ -57,8 +57,13 @@ def test_zero_1_2_3_train_exactly_like_zero0_losses_grad_norms_and_exported_weig
         assert sorted(norms[stage]) == list(range(1, 11)), stage
         assert norms[stage] == pytest.approx(norms[0], rel=1e-4), stage
         assert weights[stage].keys() == weights[0].keys()
+        # ARMT's W_k starts with gradients near Adam's eps (W_v = 0 at init, so the keys
+        # get gradient only through what W_v has learnt since): there Adam's update is
+        # g / eps-sized, and summation-order noise in g moves a weight by a few 1e-6 (one
+        # of 256 entries of a ZeRO-2 run measured at 6e-6) while losses and norms agree.
+        atol = 2e-5 if mechanism == "armt" else 1e-6
         for name, tensor in weights[0].items():
-            torch.testing.assert_close(weights[stage][name], tensor, rtol=1e-4, atol=1e-6,
+            torch.testing.assert_close(weights[stage][name], tensor, rtol=1e-4, atol=atol,
                                        msg=lambda m, name=name, stage=stage:
                                        f"ZeRO-{stage} {name}: {m}")
     # The runs compared did train: the loss falls and the gradients are not zero.
