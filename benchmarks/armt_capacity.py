@@ -1,7 +1,7 @@
 """Associative-retrieval capacity of trained runs: answer accuracy against the number of
 key-value pairs stored (the capacity curve of the ARMT paper, Rodkin et al. 2024).
 
-    .venv/bin/python benchmarks/armt_capacity.py runs/ar-armt-cpu runs/ar-rmt4-cpu \
+    .venv/bin/python benchmarks/armt_capacity.py runs/ar-armt-cpu runs/ar-armt-as-rmt-cpu \
         --pairs 1,2,3,4,6,8,12,16,20,26 --samples 500 --json benchmarks/results/armt_capacity.json
 
 Each run's exported model (model.safetensors) reads n pairs, one per segment of 2 positions
