@@ -33,9 +33,8 @@ from torch import nn
 from .associative import AssociativeLayer, AssociativeMemory
 from .backbone import Lengths, RelativeBackbone, causal_allowed
 from .config import ModelConfig
-from .memory import XLMemory
 from .positional import distance_list
-from .rmt import memory_token_parameters
+from .rmt import memory_token_parameters, side_cache
 from .shapes import AttentionShape, LayerShape, SegmentShapes, TensorShape, xl_cache
 
 
@@ -45,6 +44,18 @@ def associative_layer(cfg: ModelConfig) -> AssociativeLayer:
     o = cfg.armt
     return AssociativeLayer(cfg.d_model, o.d_key, feature_map=o.feature_map, nu=o.nu,
                             use_gate=o.gate, correction=o.correction)
+
+
+def memory_token_inputs(memory_init: torch.Tensor, state: AssociativeMemory, bsz: int,
+                        carry_tokens: bool, dtype) -> torch.Tensor:
+    """The m memory-token inputs [B, m, d] of a segment (this stack and a pretrained one):
+    the learned ones, or with `carry_tokens` the previous write outputs in the rows that
+    have been written (writes > 0)."""
+    init = memory_init.to(dtype)[None].expand(bsz, -1, -1)
+    if not carry_tokens or state.tokens is None:
+        return init
+    fresh = (state.writes == 0)[:, None, None]
+    return torch.where(fresh, init, state.tokens.to(dtype))
 
 
 class ARMT(RelativeBackbone):
@@ -107,28 +118,18 @@ class ARMT(RelativeBackbone):
         return AssociativeMemory.zeros(batch_size, self.cfg.n_layer, b.d_phi, b.d_value,
                                        device=device)
 
-    def memory_tokens(self, state: AssociativeMemory, bsz: int, dtype) -> torch.Tensor:
-        """The m memory-token inputs [B, m, d]: the learned ones, or (carry_tokens) the
-        previous write outputs for rows that have been written."""
-        init = self.memory_init().to(dtype)[None].expand(bsz, -1, -1)
-        if not self.cfg.armt.carry_tokens or state.tokens is None:
-            return init
-        fresh = (state.writes == 0)[:, None, None]
-        return torch.where(fresh, init, state.tokens.to(dtype))
 
     def forward(self, h0: torch.Tensor, state: AssociativeMemory | None, lengths: Lengths):
         """h0 [B, L, d] -> (token hidden [B, L, d], AssociativeMemory after the writes)."""
         bsz, n_tok, _ = h0.shape
         if state is None:
             state = self.empty_state(bsz, h0.device)
-        mem_in = self.memory_tokens(state, bsz, h0.dtype)
+        mem_in = memory_token_inputs(self.memory_init(), state, bsz,
+                                     self.cfg.armt.carry_tokens, h0.dtype)
         x = torch.cat([h0, mem_in], dim=1)
         n_q = x.shape[1]
 
-        cache = None
-        if lengths.mem_len > 0:
-            cache = state.cache if state.cache is not None else XLMemory(
-                length=torch.zeros(bsz, dtype=torch.long, device=h0.device))
+        cache = side_cache(state, lengths, bsz, h0.device)
         c_now = cache.mem_len_now if cache is not None else 0
         allowed = causal_allowed(n_q, c_now, cache.length if cache is not None else None,
                                  lengths, h0.device)

@@ -78,6 +78,17 @@ def memory_token_parameters(cfg: ModelConfig) -> tuple[Learned, nn.LayerNorm | N
     return memory_init, norm
 
 
+def side_cache(state, lengths: Lengths, bsz: int, device) -> XLMemory | None:
+    """The XL cache kept beside the memory tokens (Tr-XL + RMT, §3.4; ARMT's sliding
+    window), or None: whether there is one is decided by the run-time mem_len (evaluation
+    may switch it on or off), and a state that has none yet starts it empty."""
+    if lengths.mem_len == 0:
+        return None
+    if state.cache is not None:
+        return state.cache
+    return XLMemory(length=torch.zeros(bsz, dtype=torch.long, device=device))
+
+
 class RMT(RelativeBackbone):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -129,10 +140,7 @@ class RMT(RelativeBackbone):
         x = torch.cat([mem_in, h0, mem_in], dim=1)
         n_q = x.shape[1]
 
-        cache = None
-        if lengths.mem_len > 0:
-            cache = state.cache if state.cache is not None else XLMemory(
-                length=torch.zeros(bsz, dtype=torch.long, device=h0.device))
+        cache = side_cache(state, lengths, bsz, h0.device)
         c_now = cache.mem_len_now if cache is not None else 0
         allowed = rmt_allowed(m, n_tok, c_now, cache.length if cache is not None else None,
                               self.opts.read_mem_from_cache, h0.device)

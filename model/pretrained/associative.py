@@ -28,7 +28,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
@@ -108,19 +107,6 @@ def associative_pass(layers: nn.ModuleList, blocks: nn.ModuleList, state: Associ
     finally:
         for h in handles:
             h.remove()
-
-
-def armt_inputs(tokens_emb: torch.Tensor, memory_init: torch.Tensor,
-                state: AssociativeMemory, carry_tokens: bool) -> torch.Tensor:
-    """[E(x) ∘ M] [B, L + m, d]: M the learned memory tokens, or with `carry_tokens` the
-    previous segment's write outputs in the rows that have been written (writes > 0)."""
-    bsz = tokens_emb.shape[0]
-    init = memory_init.to(tokens_emb.dtype)[None].expand(bsz, -1, -1)
-    mem = init
-    if carry_tokens and state.tokens is not None:
-        fresh = (state.writes == 0)[:, None, None]
-        mem = torch.where(fresh, init, state.tokens.to(tokens_emb.dtype))
-    return torch.cat([tokens_emb, mem], dim=1)
 
 
 def associative_shapes(cfg, rows: int, q: int, trained_params: int

@@ -29,13 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..armt import associative_layer
+from ..armt import associative_layer, memory_token_inputs
 from ..associative import AssociativeMemory
 from ..backbone import Learned
 from ..config import ModelConfig
 from ..memory import RMTMemory
 from ..segment_lm import LMOutput, SegmentLM
-from .associative import armt_inputs, associative_pass, decoder_layers_name
+from .associative import associative_pass, decoder_layers_name
 from .checkpoint_config import position_kind
 from .loading import apply_finetune, load_base
 from .positions import (
@@ -129,7 +129,9 @@ class PretrainedMemoryLM(SegmentLM):
         """token embeddings [B, L, d] -> (hidden [B, L, d] after the final norm, the
         AssociativeMemory after this segment's writes)."""
         bsz, n_tok, _ = emb.shape
-        x = armt_inputs(emb, self.memory_init(), state, self.cfg.armt.carry_tokens)
+        mem = memory_token_inputs(self.memory_init(), state, bsz, self.cfg.armt.carry_tokens,
+                                  emb.dtype)
+        x = torch.cat([emb, mem], dim=1)
         positions = armt_position_ids(self.num_mem_tokens, n_tok, self.cfg.tgt_len, emb.device)
         # An all-ones padding mask: the model's own causal mask, and no packed-sequence
         # split at the positions' jump (positions.py).
