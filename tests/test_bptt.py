@@ -14,6 +14,7 @@ from data_pipeline.shards import Manifest, id_dtype, load_manifest
 from data_pipeline.streams import SegmentBatch, TokenStream
 from data_pipeline.vocab import fingerprint
 from model import ModelConfig, build_model
+from model.typed import ConfigError
 from train.bptt import SlidingHistory, episode_cuts, run_window
 from train.config import load_config
 from train.engine import LRSchedule
@@ -230,6 +231,24 @@ def test_cosine_schedule_warms_up_linearly_then_anneals_to_min_lr():
     assert s.lr_at(10) == pytest.approx(1.0)
     assert s.lr_at(55) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.5)))
     assert s.lr_at(100) == pytest.approx(0.1)
+
+
+def test_wsd_schedule_is_the_constant_schedule_until_its_final_linear_decay():
+    wsd = _schedule(lr=1.0, warmup_steps=10, schedule="wsd", decay_steps=40, min_lr=0.2)
+    constant = _schedule(lr=1.0, warmup_steps=10, schedule="constant")
+    assert [wsd.lr_at(t) for t in range(60)] == [constant.lr_at(t) for t in range(60)]
+    assert wsd.lr_at(70) == pytest.approx(1.0 - 0.8 * 10 / 40)
+    assert wsd.lr_at(100) == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("optim, message", [
+    ({"schedule": "wsd"}, "decay_steps"),                              # no decay length
+    ({"schedule": "wsd", "decay_steps": 101}, "decay_steps"),          # longer than the run
+    ({"schedule": "cosine", "decay_steps": 10}, "only the wsd"),       # would be ignored
+])
+def test_wsd_decay_steps_are_checked(optim, message):
+    with pytest.raises(ConfigError, match=message):
+        _schedule(**optim)
 
 
 def test_plateau_schedule_halves_the_lr_after_patience_bad_validations():

@@ -27,7 +27,7 @@ from model.typed import ConfigError, build_dataclass
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 BPTT_MODES = ("window", "sliding")
-SCHEDULES = ("cosine", "linear", "constant", "plateau")
+SCHEDULES = ("cosine", "linear", "constant", "plateau", "wsd")
 PRECISIONS = ("fp32", "bf16", "fp16")
 GRAD_DTYPES = ("fp32", "half")  # half: the run's precision (bf16 or fp16)
 OPTIMIZERS = ("adam", "adamw")
@@ -116,9 +116,13 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     # cosine / linear decay to min_lr after warmup (XL, LaMemo); constant; plateau = constant
-    # lr halved when validation stops improving (the RMT algorithmic tasks).
+    # lr halved when validation stops improving (the RMT algorithmic tasks); wsd =
+    # warmup-stable-decay: constant, then linear decay to min_lr over the last decay_steps
+    # (Hu et al. 2024, MiniCPM §4.1). Its stable part is the constant schedule step for step,
+    # so a constant run's checkpoint continues as a wsd run with a later max_steps.
     schedule: str = "cosine"
     warmup_steps: int = 0
+    decay_steps: int = 0         # wsd only: length of the final decay
     min_lr: float = 0.0
     plateau_factor: float = 0.5
     plateau_patience: int = 8    # evaluations without improvement before the lr drops
@@ -311,6 +315,13 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(o.grad_clip >= 0, "optim.grad_clip", f"must be >= 0, got {o.grad_clip}")
     _check(o.max_nonfinite_steps >= 1, "optim.max_nonfinite_steps",
            f"must be >= 1, got {o.max_nonfinite_steps}")
+    if o.schedule == "wsd":
+        _check(0 < o.decay_steps <= cfg.max_steps - o.warmup_steps, "optim.decay_steps",
+               f"the wsd schedule needs 0 < decay_steps <= max_steps - warmup_steps = "
+               f"{cfg.max_steps - o.warmup_steps}, got {o.decay_steps}")
+    else:
+        _check(o.decay_steps == 0, "optim.decay_steps",
+               f"only the wsd schedule reads it; {o.schedule!r} would ignore {o.decay_steps}")
     if o.schedule == "plateau":
         _check(cfg.eval.every > 0, "eval.every", "the plateau schedule needs periodic "
                "validation (eval.every > 0)")

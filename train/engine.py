@@ -94,7 +94,8 @@ class LRSchedule:
     """lr(step) for the papers' schedules, with a state_dict so DeepSpeed checkpoints it.
 
     cosine / linear: linear warmup over warmup_steps, then decay to min_lr at max_steps
-    (XL, LaMemo: cosine annealing to 0, no warmup). constant: warmup then lr. plateau:
+    (XL, LaMemo: cosine annealing to 0, no warmup). constant: warmup then lr. wsd: warmup,
+    lr, then linear decay to min_lr over the last decay_steps. plateau:
     constant lr multiplied by `plateau_factor` once `plateau_patience` validations in a row
     did not improve and the next one does not either (torch's ReduceLROnPlateau counting;
     patience 0 drops at the first), never below min_lr (RMT algorithmic tasks: factor 0.5,
@@ -116,6 +117,11 @@ class LRSchedule:
             return o.lr * (step + 1) / o.warmup_steps
         if o.schedule in ("constant", "plateau"):
             return max(o.lr * self.scale, o.min_lr)
+        if o.schedule == "wsd":
+            decay_start = self.max_steps - o.decay_steps
+            if step < decay_start:
+                return o.lr
+            return o.lr + (o.min_lr - o.lr) * min(1.0, (step - decay_start) / o.decay_steps)
         progress = min(1.0, (step - o.warmup_steps) / max(1, self.max_steps - o.warmup_steps))
         if o.schedule == "cosine":
             return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))
