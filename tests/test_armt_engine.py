@@ -31,3 +31,22 @@ def test_a_stopped_armt_run_resumes_bit_for_bit_with_its_memory(tmp_path):
     done = run_train(cfg)
     assert "resumed from" in done.stdout
     assert step_losses(run_dir) == step_losses(tmp_path / "runs" / "straight")
+
+
+def test_a_finished_constant_lr_run_extended_to_wsd_is_the_wsd_run_from_scratch(tmp_path):
+    # How docs/armt.md's associative-retrieval runs were made: a constant-lr run finished at
+    # step 8, then continued with the shipped config (more steps, the wsd schedule). The
+    # final evaluation of the finished run and its end-of-run checkpoint must leave nothing
+    # behind that the uninterrupted wsd run would not have: weights, Adam, memory, data
+    # order and RNG all continue, so every logged loss and lr is the same.
+    wsd = dict(SECTIONS, optim={"lr": 3e-3, "schedule": "wsd", "decay_steps": 4})
+    straight = tiny_config(tmp_path, "straight", max_steps=12, **wsd)
+    run_train(straight)
+    cfg = tiny_config(tmp_path, "extended", max_steps=12, **wsd)
+    run_train(cfg, ["max_steps=8", "optim.schedule=constant", "optim.decay_steps=0"])
+    done = run_train(cfg)
+    assert "resumed from" in done.stdout
+    for key in ("loss", "lr"):
+        extended = step_losses(tmp_path / "runs" / "extended", key)
+        assert extended == step_losses(tmp_path / "runs" / "straight", key)
+    assert extended[8] == 3e-3 > extended[9] > extended[12] == 0.0   # decayed after step 8
