@@ -118,7 +118,6 @@ class ARMT(RelativeBackbone):
         return AssociativeMemory.zeros(batch_size, self.cfg.n_layer, b.d_phi, b.d_value,
                                        device=device)
 
-
     def forward(self, h0: torch.Tensor, state: AssociativeMemory | None, lengths: Lengths):
         """h0 [B, L, d] -> (token hidden [B, L, d], AssociativeMemory after the writes)."""
         bsz, n_tok, _ = h0.shape

@@ -117,12 +117,11 @@ class LRSchedule:
             return o.lr * (step + 1) / o.warmup_steps
         if o.schedule in ("constant", "plateau"):
             return max(o.lr * self.scale, o.min_lr)
-        if o.schedule == "wsd":
-            decay_start = self.max_steps - o.decay_steps
-            if step < decay_start:
-                return o.lr
-            return o.lr + (o.min_lr - o.lr) * min(1.0, (step - decay_start) / o.decay_steps)
-        progress = min(1.0, (step - o.warmup_steps) / max(1, self.max_steps - o.warmup_steps))
+        if o.schedule == "wsd":   # the linear decay below, over the last decay_steps only
+            progress = max(0.0, (step - self.max_steps + o.decay_steps) / o.decay_steps)
+        else:
+            progress = (step - o.warmup_steps) / max(1, self.max_steps - o.warmup_steps)
+        progress = min(1.0, progress)
         if o.schedule == "cosine":
             return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))
         return o.lr + (o.min_lr - o.lr) * progress
