@@ -52,6 +52,12 @@ class RMTOptions:
     # "embedding": gain init_std * sqrt(d_model), the scale of the initial memory and the
     # embeddings (the copy config); "none": no LayerNorm (the reverse and AR configs).
     memory_norm: str = "unit"
+    # The attention pattern over [read | tokens | write]. "paper": RMT §3's rule (memory rows
+    # see their whole block, tokens are causal; the native stack and the LM code); "causal":
+    # the base model's own causal mask over the whole row at default positions 0..2m+L-1, as
+    # the RMT authors' Hugging Face wrapper (MemoryCell) runs it; pretrained backbones only.
+    # docs/coming-from-authors.md says which default was measured better and why.
+    pattern: str = "paper"
 
 
 @dataclass
@@ -81,6 +87,7 @@ class ARMTOptions:
 
 
 MEMORY_NORMS = ("unit", "embedding", "none")
+RMT_PATTERNS = ("paper", "causal")
 FEATURE_MAPS = ("dpfp", "elu", "identity")
 BACKBONES = ("native", "hf")
 FINETUNE_MODES = ("full", "frozen", "lora")
@@ -281,6 +288,14 @@ class ModelConfig:
             # no-memory baseline); the native stack has mechanism 'xl' for that.
             raise ConfigError("model.rmt.num_mem_tokens", "must be > 0 (use mechanism 'xl' "
                               "with mem_len 0 for no memory)")
+        if o.pattern not in RMT_PATTERNS:
+            raise ConfigError("model.rmt.pattern", f"unknown {o.pattern!r}; choose one of "
+                              f"{', '.join(RMT_PATTERNS)}")
+        if o.pattern == "causal" and (self.backbone != "hf" or self.mechanism != "rmt"):
+            raise ConfigError("model.rmt.pattern", "'causal' is the RMT authors' Hugging Face "
+                              "wrapper's pattern: it needs mechanism 'rmt' with backbone 'hf' "
+                              "(the native RMT follows RMT §3, 'paper'; ARMT is causal by "
+                              "construction)")
         if o.mem_loss_weight < 0:
             raise ConfigError("model.rmt.mem_loss_weight", "must be >= 0")
         if not 0 <= o.mem_loss_token < self.vocab_size:

@@ -15,9 +15,16 @@ causal LM reads its recent context at. The read tokens are always at 0 .. m-1, t
 keep the positions a pretrained model saw (0-based after the memory). The authors' code
 gives the memory default positions 0 .. 2m+L-1, which moves the write block with L.
 
-Attention pattern: the native RMT table (model/rmt.py `rmt_allowed`, written out in
-tests/test_rmt.py): every row reads the read block; tokens are causal among themselves; the
-write rows see the read block, every token and the whole write block.
+Attention pattern, `model.rmt.pattern`:
+- "paper": the native RMT table (model/rmt.py `rmt_allowed`, written out in
+  tests/test_rmt.py): every row reads the read block; tokens are causal among themselves;
+  the write rows see the read block, every token and the whole write block. Positions by
+  the rule above.
+- "causal": the RMT authors' Hugging Face wrapper (MemoryCell): the base model's own causal
+  mask over the whole [read | tokens | write] row, at its default positions 0 .. 2m+L-1
+  (so a read row sees only the read rows before it, and the write block moves with L).
+  The decoder gets no mask and plain positions: exactly the base model's forward on
+  `inputs_embeds = [mem; E(x); mem]`.
 
 ARMT (Rodkin et al. 2024; model/armt.py) has no read block: [tokens | memory], L + m rows,
 under the base model's own causal mask (the memory rows, last, see every token), with
@@ -48,9 +55,11 @@ def check_accepts_positions(decoder) -> None:
                           "position_ids, so memory positions cannot be placed")
 
 
-def memory_position_ids(m: int, n_tok: int, tgt_len: int, device=None) -> torch.Tensor:
-    """Position ids [1, 2m + L] of [read | tokens | write] (the module docstring's rule)."""
-    t = max(n_tok, tgt_len)
+def memory_position_ids(m: int, n_tok: int, tgt_len: int, device=None,
+                        pattern: str = "paper") -> torch.Tensor:
+    """Position ids [1, 2m + L] of [read | tokens | write] (the module docstring's rule for
+    `pattern`)."""
+    t = max(n_tok, tgt_len) if pattern == "paper" else n_tok
     return torch.cat([torch.arange(0, m + n_tok, device=device),
                       torch.arange(m + t, 2 * m + t, device=device)])[None]
 
@@ -63,9 +72,12 @@ def armt_position_ids(m: int, n_tok: int, tgt_len: int, device=None) -> torch.Te
 
 
 def memory_attention_mask(m: int, n_tok: int, dtype: torch.dtype, attn_implementation: str,
-                          device=None) -> torch.Tensor:
+                          device=None, pattern: str = "paper") -> torch.Tensor | None:
     """The 4-D mask [1, 1, 2m+L, 2m+L] transformers uses as given: bool (True = attend) for
-    SDPA, additive (0 / dtype min) for the eager kernel, which adds it to the scores."""
+    SDPA, additive (0 / dtype min) for the eager kernel, which adds it to the scores. None
+    for the "causal" pattern: the base model builds its own causal mask."""
+    if pattern == "causal":
+        return None
     allowed = rmt_allowed(m, n_tok, 0, None, False, device)[:, None]
     if attn_implementation == "sdpa":
         return allowed

@@ -7,7 +7,8 @@
 H^mem_1 is a learned [m, d] matrix. The memory is the native RMT state (model/memory.py
 `RMTMemory`), not detached here: the caller's BPTT windows cut it, exactly as for the native
 stack, so the loop, checkpoints, evaluation and generation run it unchanged. Positions and
-the attention pattern are in positions.py. With m = 0 the decoder gets exactly what the base
+the attention pattern (`model.rmt.pattern`: RMT §3's, or the authors' wrapper's causal one)
+are in positions.py. With m = 0 the decoder gets exactly what the base
 model's own forward gives it (no mask, default positions): the plain base model, the
 baseline without memory.
 
@@ -115,9 +116,10 @@ class PretrainedMemoryLM(SegmentLM):
         init = self.memory_init().to(emb.dtype)[None].expand(bsz, -1, -1)
         mem_in = torch.where(state.fresh[:, None, None], init, state.tokens.to(emb.dtype))
         x = torch.cat([mem_in, emb, mem_in], dim=1)
-        positions = memory_position_ids(m, n_tok, self.cfg.tgt_len, tokens.device)
-        mask = memory_attention_mask(m, n_tok, emb.dtype,
-                                     self.base.config._attn_implementation, tokens.device)
+        pattern = self.cfg.rmt.pattern
+        positions = memory_position_ids(m, n_tok, self.cfg.tgt_len, tokens.device, pattern)
+        mask = memory_attention_mask(m, n_tok, emb.dtype, self.base.config._attn_implementation,
+                                     tokens.device, pattern)
         h = self.base.base_model(inputs_embeds=x, attention_mask=mask,
                                  position_ids=positions.expand(bsz, -1), use_cache=False)[0]
         # A copy of the write rows, not a view: a view would keep the whole [B, 2m+L, d]
