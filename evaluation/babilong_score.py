@@ -13,7 +13,8 @@ published tables were computed with. What it does, and so what this module does:
    "<example>", where a model starts repeating the prompt's scaffolding.
 2. Case is ignored (everything is lower-cased).
 3. Only the task's answer labels are looked for (for qa1-qa4 the six rooms; for qa5 the
-   four people and three objects): the output may say anything else around them.
+   four people and three objects; every task's in data_pipeline/babilong/labels.py): the
+   output may say anything else around them.
 4. A label that appears in the question is ignored in the output: "Where was the football
    before the kitchen?" -> "It was in the garden before the kitchen" names the kitchen only
    because the question did. (So a target that is itself in the question can never be
@@ -51,6 +52,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from data_pipeline.babilong.labels import target_labels
+
 # Where a model stops answering and starts echoing the prompt (authors' metrics.py).
 _ECHO = re.compile("<context>|<example>", re.IGNORECASE)
 
@@ -71,18 +74,6 @@ def _found(labels: set[str], text: str, whole_words: bool) -> set[str]:
             if re.search(rf"(?<![a-z0-9]){re.escape(label)}(?![a-z0-9])", text)}
 
 
-def _target_labels(target: str, labels: set[str]) -> set[str]:
-    """The label(s) the output must name: the target itself, or, for a comma-joined target
-    that is not a label of its own (qa8 "apple,milk"; qa19's "n,e" IS a label), its parts."""
-    if target in labels:
-        return {target}
-    parts = {part.strip() for part in target.split(",")}
-    if "," in target and parts <= labels:
-        return parts
-    raise ValueError(f"target {target!r} is not one of the task's labels {sorted(labels)} "
-                     "(labels of another task?)")
-
-
 def is_correct(output: str, target: str, question: str, labels: Sequence[str], *,
                whole_words: bool = True) -> bool:
     """BABILong's rule (module docstring): after lower-casing, the labels named in the first
@@ -91,7 +82,7 @@ def is_correct(output: str, target: str, question: str, labels: Sequence[str], *
     `labels` is the task's answer set (data_pipeline/babilong/labels.py TASK_LABELS[task]);
     `whole_words=False` matches labels as substrings, as the authors' code does."""
     label_set = {label.lower() for label in labels}
-    wanted = _target_labels(target.strip().lower(), label_set)
+    wanted = target_labels(target, label_set)
     in_question = _found(label_set, question.lower(), whole_words)
     in_output = _found(label_set, first_sentence(output).lower(), whole_words) - in_question
     return in_output == wanted

@@ -194,6 +194,61 @@ def test_the_published_files_become_a_test_set_of_the_same_format(tmp_path):
         assert vocab.decode(row[1:][mask]) == f" {rec['target']}\n"
 
 
+def _official(tmp_path, records_of: dict[str, list[dict]], length="1k"):
+    for task, records in records_of.items():
+        folder = tmp_path / "babilong" / "data" / task
+        folder.mkdir(parents=True)
+        (folder / f"{length}.json").write_text(json.dumps(records))
+    assert main_babilong(["--official", str(tmp_path / "babilong"), "--tasks",
+                          ",".join(records_of), "--lengths", length, "--seg-len", "32",
+                          "--out", str(tmp_path / "o")]) == 0
+    return tmp_path / "o" / length
+
+
+def test_published_qa8_compound_answers_are_scored_against_the_official_labels(tmp_path):
+    from data_pipeline.babilong.labels import TASK_LABELS
+    from evaluation.babilong import find_folders
+    from evaluation.babilong_score import is_correct
+
+    question = "What is Daniel carrying?"
+    records = [{"input": "Daniel got the apple. Noise. Daniel took the milk.",
+                "question": question, "target": target}
+               for target in ("apple,milk", "nothing", "milk")]
+    where = _official(tmp_path, {"qa8": records})
+    (folder,), _ = find_folders(where.parent, "test")
+    assert is_correct("the apple and the milk", "apple,milk", question, folder.labels["qa8"])
+    assert is_correct("apple,milk", "apple,milk", question, folder.labels["qa8"])
+    assert not is_correct("the apple", "apple,milk", question, folder.labels["qa8"])
+    assert folder.labels["qa8"] == list(TASK_LABELS["qa8"])
+    # the compound answer is still written whole into its row
+    m, tokens, loss, _, vocab = _rows(where)
+    assert vocab.decode(tokens[0][1:][loss[0]]) == " apple,milk\n"
+
+
+def test_every_published_task_has_its_official_label_set(tmp_path):
+    from data_pipeline.babilong.labels import TASK_LABELS
+
+    tasks = [f"qa{i}" for i in range(1, 21)]
+    assert set(TASK_LABELS) == set(tasks) and all(TASK_LABELS.values())
+    # one published sample per task, answered with one of the task's labels
+    where = _official(tmp_path, {t: [{"input": "Noise.", "question": "Well?",
+                                      "target": TASK_LABELS[t][-1]}] for t in tasks})
+    labels = load_manifest(str(where)).extra["babilong"]["labels"]
+    assert labels == {t: list(TASK_LABELS[t]) for t in tasks}
+
+
+def test_a_published_target_outside_the_official_labels_is_refused(tmp_path, capsys):
+    folder = tmp_path / "babilong" / "data" / "qa7"
+    folder.mkdir(parents=True)
+    (folder / "1k.json").write_text(json.dumps([{"input": "x", "question": "How many?",
+                                                 "target": "kitchen"}]))
+    assert main_babilong(["--official", str(tmp_path / "babilong"), "--tasks", "qa7",
+                          "--lengths", "1k", "--seg-len", "32", "--out",
+                          str(tmp_path / "o")]) == 2
+    assert "qa7 at 1k: target 'kitchen' is not one of the task's labels" in \
+        capsys.readouterr().err
+
+
 def test_a_length_curriculum_names_the_lengths_the_data_has(tmp_path, texts):
     from model import ConfigError
     from train.config import CurriculumConfig

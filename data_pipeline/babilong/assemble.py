@@ -44,14 +44,19 @@ class Layout:
     answer_tokens: int                      # A
 
     @classmethod
-    def build(cls, vocab: Vocab, labels: dict[str, tuple[str, ...]]) -> Layout:
+    def build(cls, vocab: Vocab, labels: dict[str, tuple[str, ...]],
+              targets: tuple[str, ...] = ()) -> Layout:
+        """`labels`: each task's answer labels (what scoring looks for); `targets`: answers
+        that are no label of their own but labels joined by commas (qa8 "apple,milk"),
+        written as answers without joining the label sets."""
         stop, filler = vocab.encode(STOP_TEXT), vocab.encode(FILLER_TEXT)
         for name, ids in (("stop (a newline)", stop), ("filler (a blank)", filler)):
             if len(ids) != 1:
                 raise ValueError(f"the tokenizer writes the {name} as {len(ids)} tokens; "
                                  "BABILong rows need it as one")
+        spelled = [label for task_labels in labels.values() for label in task_labels]
         answers = {label: np.asarray(vocab.encode(ANSWER_TEXT.format(answer=label)), np.int64)
-                   for task_labels in labels.values() for label in task_labels}
+                   for label in [*spelled, *targets]}
         longest = max(a.size for a in answers.values())
         return cls(vocab, labels, answers, int(stop[0]), int(filler[0]), longest + 1)
 

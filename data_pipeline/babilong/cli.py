@@ -41,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     p = CommandParser(prog="memtrain tasks babilong", description=__doc__,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
-    p.add_argument("--tasks", default="qa1", help="comma-separated, of qa1..qa5 (default qa1)")
+    p.add_argument("--tasks", default="qa1", help="comma-separated, of qa1..qa5 (default "
+                   "qa1; with --official qa1..qa20)")
     p.add_argument("--lengths", required=True,
                    help="sample lengths in the model's tokens, e.g. 0,1k,4k (k = 1024; 0 = "
                         "the story alone)")
@@ -223,7 +224,7 @@ def _build_official(args, out: Path) -> list[Path]:
     each length rounded up to whole segments."""
     import numpy as np
 
-    from .labels import TASK_LABELS
+    from .labels import TASK_LABELS, target_labels
     from .official import read_official
 
     if args.background or args.corpus or args.together:
@@ -234,10 +235,16 @@ def _build_official(args, out: Path) -> list[Path]:
     found = read_official(Path(args.official), tasks=tasks, lengths=labels,
                           limit=args.test_size or None)
     vocab = _vocab_only(args)
-    known = {t: tuple(TASK_LABELS.get(t, ())) for t in tasks}
-    extra = {t: tuple(sorted({s.target for s in found if s.task == t} - set(known[t])))
-             for t in tasks}
-    layout = Layout.build(vocab, {t: known[t] + extra[t] for t in tasks})
+    # Scoring looks for the task's official labels (labels.py), never for the distinct
+    # targets: a comma-joined target (qa8 "apple,milk") is its parts, each a label.
+    answers = {t: TASK_LABELS[t] for t in tasks}
+    for s in found:
+        try:
+            target_labels(s.target, answers[s.task])
+        except ValueError as err:
+            raise ValueError(f"{args.official}: {s.task} at {s.length}: {err}") from None
+    spelled = {x for ls in answers.values() for x in ls}
+    layout = Layout.build(vocab, answers, tuple(sorted({s.target for s in found} - spelled)))
     written = []
     for label in labels:
         picked = [s for s in found if s.length == label]
