@@ -47,6 +47,37 @@ def test_with_no_memory_tokens_the_logits_are_the_base_models_exactly(ckpt, arch
     assert torch.equal(ours, base)
 
 
+def test_granites_logits_scaling_is_applied_so_no_memory_tokens_give_the_base_logits(tmp_path):
+    from transformers import GraniteConfig, GraniteForCausalLM
+    torch.manual_seed(0)
+    GraniteForCausalLM(GraniteConfig(
+        vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        logits_scaling=8.0, bos_token_id=0, eos_token_id=0)).save_pretrained(tmp_path / "g")
+    model = _model(tmp_path / "g", m=0).eval()
+    tokens = torch.randint(0, V, (2, 8))
+    with torch.no_grad():
+        ours = model(tokens, return_log_probs=True).log_probs
+        base = torch.log_softmax(model.base(tokens).logits.float(), dim=-1)
+    torch.testing.assert_close(ours, base)
+
+
+def test_a_base_whose_forward_post_processes_its_logits_unknowingly_is_refused(ckpt):
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(ckpt("llama"))
+    forward = base.forward
+
+    def scaled(*args, **kwargs):   # an architecture that rescales its logits after the head
+        out = forward(*args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+    base.forward = scaled
+    cfg = ModelConfig.from_dict(hf_model_section(ckpt("llama"), m=0))
+    with pytest.raises(ConfigError, match="'llama' post-processes its logits") as err:
+        build_model(cfg, base=base)
+    assert err.value.field == "model.hf.path"
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_shape_fields_come_from_the_checkpoint_config(ckpt, arch):
     cfg = ModelConfig.from_dict(hf_model_section(ckpt(arch)))

@@ -39,6 +39,7 @@ from ..segment_lm import LMOutput, SegmentLM
 from .associative import associative_pass, decoder_layers_name
 from .checkpoint_config import position_kind
 from .loading import apply_finetune, load_base
+from .logits import check_logits, lm_logits
 from .positions import (
     armt_position_ids,
     check_accepts_positions,
@@ -83,6 +84,7 @@ class PretrainedMemoryLM(SegmentLM):
             # parameters, like memory_init); W_v = 0 makes them inert at initialisation.
             self.associative = nn.ModuleList(associative_layer(cfg)
                                              for _ in range(cfg.n_layer))
+        check_logits(base)
 
     @property
     def num_mem_tokens(self) -> int:
@@ -151,7 +153,7 @@ class PretrainedMemoryLM(SegmentLM):
 
     def _forward(self, tokens, state, targets, loss_mask, return_log_probs) -> LMOutput:
         hidden, new_state = self.decode(tokens, state)
-        logits = self.base.get_output_embeddings()(hidden)
+        logits = lm_logits(self.base, hidden)
         out = LMOutput(state=new_state)
         if return_log_probs:
             out.log_probs = torch.log_softmax(logits.float(), dim=-1)
