@@ -30,7 +30,8 @@ window), so `is_greedy` says exactly what generate_until would produce.
   the first token is scored too.
 - generate_until: greedy (model/generate.py `stream_generate`, top_k=1): the prompt's whole
   segments are committed to memory, generation continues the open segment and commits it
-  whenever it fills, until an `until` string appears or max_gen_toks tokens.
+  whenever it fills, until an `until` string or the tokenizer's EOS token appears (lm-eval's
+  HF model adds the EOS to the stop strings), or max_gen_toks tokens.
 
 Data without a text vocabulary (the quickstart's synthetic stream) read and write text as
 token ids in decimal separated by spaces ("3 1 4"), as `memtrain generate --prompt-ids`.
@@ -129,6 +130,10 @@ class MemtrainLM(LM):
         self.batch_size = int(batch_size)
         self.seg_len = int(seg_len) if seg_len else int(model.cfg.tgt_len)
         self.prefix_token_id = None if prefix_token_id in (None, "") else int(prefix_token_id)
+        # lm-eval's HF model (lm_eval/models/huggingface.py generate_until): the tokenizer's
+        # EOS ends every generation. Vocabularies without a tokenizer have none.
+        eos = _special_id(self.vocab, "eos_token_id")
+        self.eos_text = self.decode([eos]) if eos is not None else None
         self.max_gen_toks = int(max_gen_toks)
         if self.batch_size < 1 or self.seg_len < 1 or self.max_gen_toks < 0:
             raise ValueError("memtrain: batch_size and seg_len must be >= 1, max_gen_toks >= 0")
@@ -254,6 +259,8 @@ class MemtrainLM(LM):
                                  f"temperature 0); got {gen_kwargs}")
             until = kwargs.get("until") or []
             until = (until,) if isinstance(until, str) else tuple(until)
+            if self.eos_text and self.eos_text not in until:
+                until += (self.eos_text,)
             ids = self.encode(context) or self._with_prefix([], "a generate_until request")
             jobs.append((ids, until, int(kwargs.get("max_gen_toks", self.max_gen_toks))))
         # Prompts of one length with the same settings share a batch (stream_generate reads a
@@ -288,6 +295,13 @@ class MemtrainLM(LM):
                 if all(done):
                     break
         return [_cut(text, until) for text in texts]
+
+
+def _special_id(vocab, name: str) -> int | None:
+    """The id of a special token ("eos_token_id") of the vocabulary's
+    transformers tokenizer, or None (no tokenizer, or no such token)."""
+    value = getattr(getattr(vocab, "tokenizer", None), name, None)
+    return int(value) if value is not None else None
 
 
 def _cut(text: str, until: tuple[str, ...]) -> str:

@@ -251,6 +251,43 @@ def test_data_without_a_text_vocabulary_read_text_as_token_ids(exported, tmp_pat
     assert len(out.split()) == 4 and all(0 <= int(t) < VOCAB.size for t in out.split())
 
 
+# ------------------------------------------------ a tokenizer's special tokens, as lm-eval's HF
+def hf_data(tmp_path, **special) -> str:
+    """A data folder whose vocabulary is a transformers tokenizer (tiny.py's characters)
+    with the given special tokens, e.g. eos_token="<|endoftext|>"."""
+    from transformers import AutoTokenizer
+
+    from data_pipeline.hf_tokenizer import HFVocab
+    from model.pretrained.tiny import save_char_tokenizer
+    tok_dir = tmp_path / "tok"
+    save_char_tokenizer(tok_dir)
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    tok.add_special_tokens(special)
+    tok.save_pretrained(tok_dir)
+    (tmp_path / "data").mkdir()
+    return write_char_manifest(tmp_path / "data", HFVocab.load(str(tok_dir)))
+
+
+def test_generate_until_stops_at_the_tokenizers_eos_as_lm_evals_hf_model(
+        exported, tmp_path, monkeypatch):
+    import evaluation.lm_eval_model as adapter_module
+    path, _, _ = exported["hf"]
+    lm = MemtrainLM(run_dir=path, data=hf_data(tmp_path, eos_token="<|endoftext|>"),
+                    device="cpu")
+    eos = lm.vocab.tokenizer.eos_token_id
+    scripted = [*lm.encode(" paris"), eos, *lm.encode(" junk 42")]
+
+    def generate(model, prompt, n_new, **kwargs):   # the model's output, scripted
+        for t in scripted[:n_new]:
+            yield torch.full((prompt.shape[0],), t)
+    monkeypatch.setattr(adapter_module, "stream_generate", generate)
+    assert lm.decode(scripted) == " paris<|endoftext|> junk 42"
+    got = lm.generate_until([req("where?", {"max_gen_toks": 20}),
+                             req("where?", {"until": ["r"], "max_gen_toks": 20}),
+                             req("where?", {"until": "<|endoftext|>", "max_gen_toks": 20})])
+    assert got == [" paris", " pa", " paris"]
+
+
 # --------------------------------------------------------------------------- lm-eval itself
 GEN_TASK = """task: mt_gen
 dataset_path: json
