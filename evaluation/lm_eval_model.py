@@ -11,8 +11,9 @@ model_args: run_dir (a run directory, one checkpoint folder of a run, or an expo
 .safetensors: evaluation/generate_cli.py `load_for_generation`), data (the data manifest folder
 whose vocabulary turns text into ids; defaults to the run's), batch_size, device, seg_len
 (default: the model's tgt_len), mem_len (default: as trained), memory ("carry", or "reset": a
-fresh memory at every segment, the no-memory baseline), prefix_token_id (see below),
-max_gen_toks (default 256).
+fresh memory at every segment, the no-memory baseline), prefix_token_id (default, as in
+lm-eval's HF model: the tokenizer's BOS token, else its EOS; none for data without a
+transformers tokenizer), max_gen_toks (default 256).
 
 Every request is read the way memtrain trains and scores a stream (model/generate.py): from a
 fresh memory at the request's first token, cut into segments of seg_len counted from that
@@ -25,9 +26,9 @@ window), so `is_greedy` says exactly what generate_until would produce.
 
 - loglikelihood: context and continuation are one sequence; the continuation's tokens are
   scored where they fall, in whatever segment, on the memory of everything before them.
-- loglikelihood_rolling: the text alone. Its first token has nothing to be predicted from:
-  it is read but not scored, unless prefix_token_id is given, which is then read first and
-  the first token is scored too.
+- loglikelihood_rolling: the text alone, after prefix_token_id, so its first token is
+  scored too. Without a prefix token (data without a tokenizer, and none given) the first
+  token has nothing to be predicted from: it is read but not scored.
 - generate_until: greedy (model/generate.py `stream_generate`, top_k=1): the prompt's whole
   segments are committed to memory, generation continues the open segment and commits it
   whenever it fills, until an `until` string or the tokenizer's EOS token appears (lm-eval's
@@ -129,11 +130,14 @@ class MemtrainLM(LM):
         self.vocab = vocab if vocab is not None else IdText()
         self.batch_size = int(batch_size)
         self.seg_len = int(seg_len) if seg_len else int(model.cfg.tgt_len)
-        self.prefix_token_id = None if prefix_token_id in (None, "") else int(prefix_token_id)
-        # lm-eval's HF model (lm_eval/models/huggingface.py generate_until): the tokenizer's
-        # EOS ends every generation. Vocabularies without a tokenizer have none.
-        eos = _special_id(self.vocab, "eos_token_id")
+        # lm-eval's HF model (lm_eval/models/huggingface.py, prefix_token_id and
+        # generate_until): the tokenizer's BOS, else its EOS, is the prefix, and its EOS ends
+        # every generation. Vocabularies without a tokenizer have neither.
+        bos, eos = _special_id(self.vocab, "bos_token_id"), _special_id(self.vocab,
+                                                                        "eos_token_id")
         self.eos_text = self.decode([eos]) if eos is not None else None
+        self.prefix_token_id = (int(prefix_token_id) if prefix_token_id not in (None, "")
+                                else bos if bos is not None else eos)
         self.max_gen_toks = int(max_gen_toks)
         if self.batch_size < 1 or self.seg_len < 1 or self.max_gen_toks < 0:
             raise ValueError("memtrain: batch_size and seg_len must be >= 1, max_gen_toks >= 0")
@@ -298,7 +302,7 @@ class MemtrainLM(LM):
 
 
 def _special_id(vocab, name: str) -> int | None:
-    """The id of a special token ("eos_token_id") of the vocabulary's
+    """The id of a special token ("bos_token_id", "eos_token_id") of the vocabulary's
     transformers tokenizer, or None (no tokenizer, or no such token)."""
     value = getattr(getattr(vocab, "tokenizer", None), name, None)
     return int(value) if value is not None else None

@@ -288,6 +288,27 @@ def test_generate_until_stops_at_the_tokenizers_eos_as_lm_evals_hf_model(
     assert got == [" paris", " pa", " paris"]
 
 
+def test_the_prefix_token_defaults_to_the_tokenizers_bos_else_eos_as_lm_evals_hf_model(
+        exported, tmp_path):
+    path, _, _ = exported["hf"]
+    both = MemtrainLM(run_dir=path, data=hf_data(tmp_path / "a", bos_token="<s>",
+                                                 eos_token="</s>"), device="cpu")
+    assert both.prefix_token_id == both.vocab.tokenizer.bos_token_id
+    eos_only = MemtrainLM(run_dir=path, data=hf_data(tmp_path / "b", eos_token="</s>"),
+                          device="cpu")
+    assert eos_only.prefix_token_id == eos_only.vocab.tokenizer.eos_token_id
+    # Rolling perplexity then scores the first token too, read after the prefix.
+    text = random_text(9, 70)
+    ids = eos_only.encode(text)
+    want = naive_token_scores(loaded_model(eos_only), [eos_only.prefix_token_id, *ids], SEG)
+    got = eos_only.loglikelihood_rolling([req(text)])[0]
+    assert got == pytest.approx(float(want.sum()), abs=1e-4)
+    # An explicit prefix still wins.
+    chosen = MemtrainLM(run_dir=path, data=hf_data(tmp_path / "c", bos_token="<s>"),
+                        device="cpu", prefix_token_id=3)
+    assert chosen.prefix_token_id == 3
+
+
 # --------------------------------------------------------------------------- lm-eval itself
 GEN_TASK = """task: mt_gen
 dataset_path: json
