@@ -6,9 +6,9 @@
 --checkpoint is a run directory (its latest checkpoint), one checkpoint folder of a run
 (runs/x/checkpoints/step00001000) or an exported model.safetensors. The text goes through the
 vocabulary of the run's data manifest (`--data` for an exported file). Sampling is
-model.generate.stream_generate: the memory advances once per segment exactly as in training
-and evaluation, so any length costs O(length) and the model sees the context it was scored
-with. Tokens print as they are sampled.
+model.generate.stream_generate: the memory advances once per segment (`--seg-len`, by default
+the trained tgt_len) exactly as in training and evaluation, so any length costs O(length) and
+the model sees the context it was scored with. Tokens print as they are sampled.
 
 A pretrained backbone (`model.backbone: hf`) may have more output rows than the data has ids
 (an embedding padded past its tokenizer, or a small task alphabet): the data's ids must fit
@@ -31,6 +31,7 @@ from data_pipeline.shards import load_manifest
 from data_pipeline.vocabs import vocab_from_dict
 from memtrain.command_line import error_line
 from model import ConfigError, load_model, stream_generate
+from model.pretrained.checkpoint_config import check_segment_positions
 from train.checkpoint import MARKER
 from train.export import load_weights
 from train.run_access import load_run_config, pick_checkpoint
@@ -53,6 +54,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1: off")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mem-len", type=int, default=-1, help="memory length (default: trained)")
+    p.add_argument("--seg-len", type=int, default=0,
+                   help="segment length the memory advances by (default: trained tgt_len)")
     p.add_argument("--data", help="data manifest folder (for an exported .safetensors)")
     p.add_argument("--ids", action="store_true", help="print token ids instead of text")
     return p
@@ -161,6 +164,10 @@ def main_generate(argv: list[str] | None = None) -> int:
                               f"{model.cfg.vocab_size})")
         if args.mem_len >= 0:
             model.set_lengths(mem_len=args.mem_len)
+        if args.seg_len < 0:
+            raise ConfigError("--seg-len", "must be >= 1 (or 0: the trained tgt_len)")
+        seg_len = args.seg_len or model.cfg.tgt_len
+        check_segment_positions(model.cfg, seg_len, "--seg-len")
     except (ConfigError, FileNotFoundError, ValueError) as err:
         return error_line("memtrain generate", err, code=2)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -170,7 +177,7 @@ def main_generate(argv: list[str] | None = None) -> int:
     out = StreamingDecoder(vocab, args.ids)
     for token in stream_generate(model, prompt, args.max_new_tokens,
                                  temperature=args.temperature, top_k=args.top_k,
-                                 top_p=args.top_p, generator=gen):
+                                 top_p=args.top_p, seg_len=seg_len, generator=gen):
         sys.stdout.write(out.push(int(token[0])))
         sys.stdout.flush()
     sys.stdout.write(out.flush() + "\n")

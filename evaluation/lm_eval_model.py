@@ -53,6 +53,7 @@ from lm_eval.api.registry import register_model
 
 from evaluation.generate_cli import load_for_generation
 from model import stream_generate
+from model.pretrained.checkpoint_config import check_segment_positions
 
 MEMORY_MODES = ("carry", "reset")
 log = logging.getLogger(__name__)
@@ -141,6 +142,7 @@ class MemtrainLM(LM):
         self.max_gen_toks = int(max_gen_toks)
         if self.batch_size < 1 or self.seg_len < 1 or self.max_gen_toks < 0:
             raise ValueError("memtrain: batch_size and seg_len must be >= 1, max_gen_toks >= 0")
+        check_segment_positions(model.cfg, self.seg_len, "seg_len")
 
     # -- text <-> ids -----------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

@@ -99,16 +99,35 @@ def resolve_shape(cfg) -> None:
             raise ConfigError(f"model.{name}", f"is read from the pretrained config "
                               f"({value}); remove it from the config (got {given})")
         setattr(cfg, name, value)
+    _check_table(hf, cfg, cfg.tgt_len, "model.tgt_len")
+
+
+def check_segment_positions(cfg, seg_len: int, option: str) -> None:
+    """Refuse a segment length that runs past a learned position table, with a ConfigError
+    naming `option` (where the length came from: "seg_len", "eval.tgt_len", "--seg-len").
+    Every tool that reads a model at another segment length than `cfg.tgt_len` calls this
+    first (a table indexed past its end is an IndexError deep in the base model). Native
+    models and rotary positions have no table: nothing to check."""
+    if cfg.backbone != "hf":
+        return
+    _check_table(hf_config(cfg.hf), cfg, seg_len, option)
+
+
+def _check_table(hf, cfg, seg_len: int, option: str) -> None:
     kind = position_kind(hf)
     limit = getattr(hf, "max_position_embeddings", None)
     blocks = 1 if cfg.mechanism == "armt" else 2
-    need = max_position(cfg.rmt.num_mem_tokens, cfg.tgt_len, blocks)
+    need = max_position(cfg.rmt.num_mem_tokens, seg_len, blocks)
     if kind == "absolute" and limit is not None and need > limit:
-        raise ConfigError("model.tgt_len", f"{blocks} x num_mem_tokens + tgt_len = {need} "
-                          f"positions, beyond the model's learned table of {limit}")
+        what = "tgt_len" if option.endswith("tgt_len") else "segment length"
+        raise ConfigError(option, f"{blocks} x num_mem_tokens + {what} = {need} positions "
+                          f"({blocks} x {cfg.rmt.num_mem_tokens} + {seg_len}), beyond the "
+                          f"model's learned table of {limit}")
 
 
 def max_position(m: int, tgt_len: int, blocks: int = 2) -> int:
-    """Highest position id a segment of the trained length uses, plus one: RMT's read and
-    write blocks (2 x m) or ARMT's memory tokens after the segment (1 x m)."""
+    """Highest position id a segment of `tgt_len` tokens uses, plus one: RMT's read and
+    write blocks (2 x m) or ARMT's memory tokens after the segment (1 x m). A segment
+    shorter than the trained length uses no more (positions.py: the memory's positions are
+    fixed by the trained length)."""
     return blocks * m + tgt_len
