@@ -61,7 +61,7 @@ def run(row: dict, work: Path) -> dict:
                  f"data.seed={row['seed']}", f"model.tgt_len={row['src_len']}",
                  f"model.rmt.num_mem_tokens={row['m']}", f"optim.lr={row['lr']}",
                  f"eval.every={row['every']}", "data.valid_split=test", "tracking.enabled=false",
-                 "--no-resume"]
+                 f"model.rmt.pattern={row['pattern']}", "--no-resume"]
     if row["m"] == 0:
         overrides.append("eval.no_memory_baseline=false")
     cmd = [MEMTRAIN, "train", "--config", CONFIG[row["arch"]], *overrides]
@@ -92,10 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--src-len", type=int, default=3, help="also the segment length and m")
     p.add_argument("--steps", type=int, default=0, help="default: the example config's")
-    p.add_argument("--no-memory-steps", type=int, default=100)
+    p.add_argument("--no-memory-steps", type=int, default=100, help="0: no such rows")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--every", type=int, default=50)
     p.add_argument("--tied", action="store_true", help="GPT-2 with its tied default head")
+    p.add_argument("--pattern", nargs="+", default=["paper"], choices=["paper", "causal"],
+                   help="model.rmt.pattern of the memory runs (each one a row)")
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--work", type=Path, default=ROOT / "runs" / "pretrained_copy")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/pretrained_copy.json")
@@ -106,11 +108,14 @@ def main(argv: list[str] | None = None) -> int:
         for seed in args.seeds:
             ckpt = checkpoint(arch, seed, args.tied, args.work)
             data = task_data(args.src_len, seed, args.work)
-            for m, steps in ((args.src_len, args.steps or default_steps[arch]),
-                             (0, args.no_memory_steps)):
+            arms = [(args.src_len, args.steps or default_steps[arch], p) for p in args.pattern]
+            if args.no_memory_steps:
+                arms.append((0, args.no_memory_steps, "paper"))
+            for m, steps, pattern in arms:
                 tied = args.tied and arch == "gpt2"
-                name = f"{arch}{'-tied' * tied}-src{args.src_len}-m{m}-s{seed}"
-                rows.append(dict(name=name, arch=arch, tied=tied, seed=seed,
+                name = (f"{arch}{'-tied' * tied}-src{args.src_len}-m{m}-s{seed}"
+                        + ("-causal" if pattern == "causal" else ""))
+                rows.append(dict(name=name, arch=arch, tied=tied, seed=seed, pattern=pattern,
                                  src_len=args.src_len, m=m, steps=steps,
                                  lr=args.lr, every=args.every, ckpt=str(ckpt), data=str(data)))
     with ThreadPoolExecutor(args.jobs) as pool:

@@ -158,11 +158,12 @@ def segments(tokens: torch.Tensor, mask: torch.Tensor, n_segments: int,
     return [s for s in out if s.loss_mask.any()] if answer_only else out
 
 
-def model_config(hf: dict, m: int, seg_len: int, finetune: str, lora_r: int) -> ModelConfig:
+def model_config(hf: dict, m: int, seg_len: int, finetune: str, lora_r: int,
+                 pattern: str = "paper") -> ModelConfig:
     """The run config's `model:` section for this experiment, as a ModelConfig."""
     return ModelConfig.from_dict({
         "mechanism": "rmt", "backbone": "hf", "mem_len": 0, "tgt_len": seg_len,
-        "dropout": 0.0, "rmt": {"num_mem_tokens": m},
+        "dropout": 0.0, "rmt": {"num_mem_tokens": m, "pattern": pattern},
         "hf": {**hf, "finetune": finetune, "lora_r": lora_r, "lora_alpha": 2 * lora_r}})
 
 
@@ -273,7 +274,7 @@ def run(a, hf: dict, base, vocab: CodeVocab, device) -> dict:
         # A copy per arm: finetune switches requires_grad and injects adapters in place.
         # The same seed gives every arm the same initial memory and adapters.
         torch.manual_seed(a.seed)
-        model = build_model(model_config(hf, m, a.seg_len, a.finetune, a.lora_r),
+        model = build_model(model_config(hf, m, a.seg_len, a.finetune, a.lora_r, a.pattern),
                             base=copy.deepcopy(base)).to(device)
         results["arms"][name] = {"num_mem_tokens": m, **train(model, vocab, a, device, name)}
         score(name, model)
@@ -303,6 +304,8 @@ def parse_args(argv=None):
     p.add_argument("--digits", type=int, default=2, help="D, digits of the code")
     p.add_argument("--mem-tokens", type=int, default=4, help="m of the memory arm")
     p.add_argument("--finetune", choices=["full", "frozen", "lora"], default="lora")
+    p.add_argument("--pattern", choices=["paper", "causal"], default="paper",
+                   help="model.rmt.pattern of the memory arm")
     p.add_argument("--lora-r", type=int, default=8)
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--batch", type=int, default=8)

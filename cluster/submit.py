@@ -61,12 +61,14 @@ def absolute_paths(cfg) -> list[str]:
     """Overrides that pin the run config's relative paths to the directory `memtrain submit`
     ran in (what a local run there would use), so that the job does not depend on the
     directory sbatch starts it in: data.path, deepspeed.config, a sqlite tracking.uri, a
-    pretrained checkpoint directory (model.hf.path). URLs, url_template and hub names are
+    pretrained checkpoint directory (model.hf.path), the init_from file. URLs, url_template and hub names are
     left as they are."""
     out = []
     hf_path = cfg.model.hf.path if cfg.model.backbone == "hf" else ""
     if hf_path and os.path.isdir(os.path.expanduser(hf_path)) and not os.path.isabs(hf_path):
         out.append(f"model.hf.path={os.path.abspath(os.path.expanduser(hf_path))}")
+    if cfg.init_from and not os.path.isabs(cfg.init_from):
+        out.append(f"init_from={os.path.abspath(cfg.init_from)}")
     data = cfg.data.path
     if "://" not in data and not data.startswith("pipe:") and not os.path.isabs(data):
         out.append(f"data.path={os.path.abspath(data)}")

@@ -32,7 +32,10 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
                  "sample text from a checkpoint, memory carried across segments"),
     "compare": ("compare.cli", "main_compare",
                 "compare MLflow runs in one self-contained HTML report (+ markdown)"),
-    "export": ("train.cli", "main_export", "write a run's weights as one fp32 safetensors file"),
+    "export": ("train.cli", "main_export", "write a run's weights: one fp32 safetensors file, "
+               "a peft adapter, or the RMT authors' layout"),
+    "import": ("train.cli", "main_import", "turn a checkpoint of the RMT authors' wrapper "
+               "into a memtrain model directory"),
     "plan": ("planner.plan", "main_plan",
              "per-GPU memory before submitting: ZeRO model states, one BPTT window, the "
              "largest bptt.depth and mem_len that fit"),

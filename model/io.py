@@ -96,6 +96,36 @@ def load_trained(model: SegmentLM, state: dict[str, torch.Tensor], source: str) 
             params[name].copy_(state[name])
 
 
+def load_initial(model: SegmentLM, path: str | Path) -> list[str]:
+    """Start `model` from the weights of a model file (`init_from`): every tensor the file
+    holds must be a parameter of `model` of the same shape, and the file's mechanism and
+    attention pattern must be the model's (the same weights under another pattern are
+    another model); the parameters the file does not hold (e.g. LoRA adapters a fine-tune
+    adds to an imported memory) keep their initialisation. Returns the names loaded."""
+    saved = read_config(path)
+    for field, ours, theirs in (("model.mechanism", model.cfg.mechanism, saved.mechanism),
+                                ("model.rmt.pattern", model.cfg.rmt.pattern,
+                                 saved.rmt.pattern)):
+        if ours != theirs:
+            raise ValueError(f"init_from {path}: the file's {field} is {theirs!r}, the run's "
+                             f"{ours!r}; set {field}={theirs}")
+    state = _read_tensors(str(path))
+    params = dict(model.named_parameters())
+    unknown = sorted(set(state) - set(params))
+    shapes = [f"{n}: file {tuple(t.shape)}, model {tuple(params[n].shape)}"
+              for n, t in state.items() if n in params and t.shape != params[n].shape]
+    empty = [n for n in state if n in params and params[n].numel() == 0]
+    if unknown or shapes or empty:
+        raise ValueError(f"init_from {path} does not fit this model: not its parameters "
+                         f"{unknown[:8]}, shapes {shapes[:8]}, partitioned by ZeRO-3 "
+                         f"{empty[:8]} (start from a file that holds only memory and "
+                         "adapters, or below ZeRO-3)")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            params[name].copy_(tensor)
+    return sorted(state)
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> SegmentLM:
     """Rebuild the model from the file's config and load its weights (strictly). A
     pretrained backbone loads its base from `model.hf` first, then the trained weights."""

@@ -3,11 +3,12 @@ RecurrentWrapper of booydar/recurrent-memory-transformer) exactly: each segment 
 model's own forward on `inputs_embeds = [mem; E(x); mem]` with its causal mask and default
 positions 0..2m+L-1, the logits are the token rows, and the next memory is the last hidden
 state (after the final norm) of the write rows. The reference below is written from that
-description, not from the wrapper, and runs the base model alone."""
+description, not from the wrapper, and runs the base model alone (tests/pretrained_helpers.py
+`authors_reference`)."""
 
 import pytest
 import torch
-from pretrained_helpers import TINY, V, hf_model_section
+from pretrained_helpers import TINY, V, authors_reference, hf_model_section
 
 from model import ConfigError, ModelConfig, build_model
 
@@ -29,16 +30,7 @@ def _model(path, pattern="causal", attn="sdpa"):
 
 
 def reference(base, memory_init, segments):
-    """The authors' loop, from the base model alone: per segment (log-probs of the token
-    rows, the write rows' last hidden state)."""
-    mem = memory_init[None].expand(segments[0].shape[0], -1, -1)
-    out = []
-    for seg in segments:
-        x = torch.cat([mem, base.get_input_embeddings()(seg), mem], dim=1)
-        res = base(inputs_embeds=x, output_hidden_states=True)
-        mem = res.hidden_states[-1][:, -M:]
-        out.append((torch.log_softmax(res.logits[:, M:-M].float(), -1), mem))
-    return out
+    return authors_reference(base, memory_init, segments)
 
 
 def _segments():

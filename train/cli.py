@@ -2,6 +2,8 @@
 
     memtrain train --config quickstart [section.field=value ...] [--no-resume]
     memtrain export --run-dir runs/quickstart --out model.safetensors
+    memtrain export --model imported/model.safetensors --format authors --out rmt.pt
+    memtrain import --state-dict rmt.pt --base ckpt/gpt2 --segment-size 128 --out imported
 
 (`memtrain eval` is an evaluation tool: evaluation/cli.py.)
 
@@ -18,12 +20,17 @@ from pathlib import Path
 
 from memtrain.command_line import CommandParser, error_line, invalid_config
 from model import ConfigError
+from model.io import load_model, save_model
 
 from .config import dump_yaml, load_config
-from .export import export_checkpoint
+from .export import export_checkpoint, load_weights
+from .interop import export_authors, export_peft, import_authors_rmt
 from .run_access import load_run_config, pick_checkpoint
 from .run_dir import RunDir
 from .trainer import main_entry
+
+
+FORMATS = ("memtrain", "peft", "authors")
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -66,18 +73,63 @@ def main_train(argv: list[str] | None = None) -> int:
 
 def main_export(argv: list[str] | None = None) -> int:
     p = _parser("memtrain export")
-    p.add_argument("--run-dir", required=True)
-    p.add_argument("--out", help="output file (default: <run-dir>/model.safetensors)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run-dir", help="a run directory (its latest complete checkpoint)")
+    src.add_argument("--model", help="a memtrain model file (an export or an import)")
+    p.add_argument("--out", help="output (default: <run-dir>/model.safetensors)")
     p.add_argument("--checkpoint", help="checkpoint folder name (default: latest)")
+    p.add_argument("--format", choices=FORMATS, default="memtrain",
+                   help="memtrain: one fp32 safetensors file; peft: a peft adapter directory "
+                   "plus the memory; authors: the RMT authors' RecurrentWrapper state dict")
     args = p.parse_args(argv)
+    if args.format != "memtrain" and not args.out:
+        p.error(f"--format {args.format} needs --out")
     try:
-        cfg = load_run_config(args.run_dir, [])
+        if args.model:
+            model, step = load_model(args.model), None
+        else:
+            cfg = load_run_config(args.run_dir, [])
+            info = pick_checkpoint(cfg, args.checkpoint)  # None: the latest complete one
+            if info is None:
+                print(f"memtrain export: no complete checkpoint in {args.run_dir}",
+                      file=sys.stderr)
+                return 1
+            step = info.step
+            if args.format == "memtrain":
+                out = export_checkpoint(info, Path(args.out or RunDir(args.run_dir).exported),
+                                        cfg.model)
+                print(json.dumps({"exported": str(out), "step": step}))
+                return 0
+            model = load_weights(info, cfg.model)
+        if args.format == "memtrain":
+            out = save_model(model, args.out)
+        else:
+            out = (export_peft if args.format == "peft" else export_authors)(model, args.out)
     except ConfigError as err:
         return invalid_config("memtrain export", err)
-    info = pick_checkpoint(cfg, args.checkpoint)  # None: the latest complete checkpoint
-    if info is None:
-        print(f"memtrain export: no complete checkpoint in {args.run_dir}", file=sys.stderr)
-        return 1
-    out = export_checkpoint(info, Path(args.out or RunDir(args.run_dir).exported), cfg.model)
-    print(json.dumps({"exported": str(out), "step": info.step}))
+    except (OSError, ValueError) as err:
+        return error_line("memtrain export", err)
+    print(json.dumps({"exported": str(out), "format": args.format, "step": step}))
+    return 0
+
+
+def main_import(argv: list[str] | None = None) -> int:
+    p = _parser("memtrain import")
+    p.add_argument("--format", choices=["rmt-authors"], default="rmt-authors",
+                   help="rmt-authors: a state dict of the RMT authors' RecurrentWrapper or "
+                   "MemoryCell (booydar/recurrent-memory-transformer)")
+    p.add_argument("--state-dict", required=True, help=".pt/.bin/.pth or .safetensors")
+    p.add_argument("--base", required=True,
+                   help="the base model's checkpoint directory the authors wrapped")
+    p.add_argument("--segment-size", type=int, required=True,
+                   help="their RecurrentWrapper's segment_size (becomes model.tgt_len)")
+    p.add_argument("--out", required=True, help="the model directory to write")
+    args = p.parse_args(argv)
+    try:
+        summary = import_authors_rmt(args.state_dict, args.base, args.segment_size, args.out)
+    except ConfigError as err:
+        return invalid_config("memtrain import", err)
+    except (OSError, ValueError, RuntimeError) as err:
+        return error_line("memtrain import", err)
+    print(json.dumps(summary))
     return 0

@@ -220,6 +220,9 @@ class RunConfig:
     save_every: int = 0              # checkpoint every N steps (0 = only at the end)
     keep_last: int = 3               # complete checkpoints kept
     threads: int = 0                 # torch intra-op threads per rank (0 = torch default)
+    # A memtrain model file (`memtrain export` / `memtrain import`) whose weights start a
+    # fresh run; a resumed run takes its weights from the checkpoint instead.
+    init_from: str = ""
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     bptt: BPTTConfig = field(default_factory=BPTTConfig)
@@ -252,6 +255,9 @@ def validate(cfg: RunConfig) -> RunConfig:
     for name in ("save_every", "threads"):
         _check(getattr(cfg, name) >= 0, name, f"must be >= 0, got {getattr(cfg, name)}")
     _check(cfg.keep_last >= 1, "keep_last", f"must be >= 1, got {cfg.keep_last}")
+    _check(not cfg.init_from or Path(cfg.init_from).expanduser().is_file(), "init_from",
+           f"{cfg.init_from} is not a file (a model file `memtrain export` or `memtrain "
+           "import` wrote)")
 
     d = cfg.data
     _check(bool(d.path), "data.path", "is required (a folder with manifest.json)")

@@ -18,6 +18,7 @@ from data_pipeline.streams import EpisodeStream, LayoutError, TokenStream, rows_
 from data_pipeline.synthetic import write_repeat_corpus
 from memtrain.command_line import error_line
 from model import ConfigError
+from model.io import load_initial
 
 from . import checkpoint as ckpt
 from .bptt import TrainState, WindowPlan
@@ -187,6 +188,11 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     # A pretrained base at ZeRO-3 is loaded partitioned from the start (train/pretrained.py).
     model = build_for_engine(cfg.model, ds_config, env.is_main)
+    if cfg.init_from and info is None:
+        loaded = load_initial(model, cfg.init_from)
+        if env.is_main:
+            print(f"memtrain: started from {cfg.init_from} ({len(loaded)} tensors: "
+                  f"{', '.join(loaded[:4])}{' ...' if len(loaded) > 4 else ''})", flush=True)
     engine, schedule = initialize(model, cfg, ds_config)
     if env.rank:
         # Dropout of its own on every other rank (rank 0 keeps the stream it always had):

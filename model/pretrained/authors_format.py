@@ -1,0 +1,102 @@
+"""The weight layouts of the RMT authors' Hugging Face wrapper, and of peft adapters, mapped
+to and from PretrainedMemoryLM's parameters. Facts about the authors' layout
+(booydar/recurrent-memory-transformer, modeling_rmt/language_modeling.py):
+
+    MemoryCell(base_model, num_mem_tokens)
+        .model    the base AutoModelForCausalLM, its own parameter names below `model.`
+        .memory   nn.Parameter [m, d]: the initial memory, read and written as
+                  [memory; E(x); memory] under the base model's causal mask at default
+                  positions (memtrain's `model.rmt.pattern: causal`)
+    RecurrentWrapper(memory_cell, segment_size=L, ...)
+        .memory_cell  the MemoryCell: every key above under `memory_cell.`
+
+so a `RecurrentWrapper.state_dict()` holds `memory_cell.memory` [m, d] and
+`memory_cell.model.<the base model's keys>`; a bare MemoryCell's the same without the
+`memory_cell.` prefix. The segment length is not in the weights (a wrapper argument).
+
+memtrain's names: `memory_init.value` [m, d] and `base.<the base model's keys>` (LoRA
+adapters, when the run trained them, as peft injects them: `...q_proj.lora_A.default.weight`).
+A peft adapter directory (`PeftModel.save_pretrained`) names the same adapters
+`base_model.model.<module path>.lora_A.weight`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BASE = "base."
+ADAPTER = ".default"           # the adapter name peft's injection gives (one adapter)
+PEFT_PREFIX = "base_model.model."
+
+
+def split_authors_state(state: dict[str, torch.Tensor]):
+    """An RMT authors' state dict -> (base model state dict, initial memory [m, d]).
+    Accepts a RecurrentWrapper's or a bare MemoryCell's keys; anything else is refused by
+    name, so a checkpoint of another model is not half-loaded."""
+    prefix = "memory_cell." if "memory_cell.memory" in state else ""
+    if prefix + "memory" not in state:
+        raise ValueError("not an RMT authors' checkpoint: no 'memory_cell.memory' (a "
+                         "RecurrentWrapper) or 'memory' (a MemoryCell) key; keys start "
+                         f"{sorted(state)[:5]}")
+    memory = state[prefix + "memory"]
+    if memory.dim() != 2:
+        raise ValueError(f"the authors' memory must be [m, d], got {tuple(memory.shape)}")
+    base, other = {}, []
+    for key, value in state.items():
+        if key == prefix + "memory":
+            continue
+        if key.startswith(prefix + "model."):
+            base[key[len(prefix + "model."):]] = value
+        else:
+            other.append(key)
+    if other:
+        raise ValueError(f"keys outside the authors' layout: {other[:8]}")
+    return base, memory
+
+
+def merged_base_state(model) -> dict[str, torch.Tensor]:
+    """The base model's state dict with LoRA adapters (if any) merged into the weights they
+    adapt (W + B A * alpha / r, peft's merge), under the base model's own names: what the
+    authors' layout and a plain checkpoint directory hold."""
+    base = model.base
+    lora = {n: m for n, m in base.named_modules() if hasattr(m, "lora_A") and
+            ADAPTER[1:] in getattr(m, "lora_A", {})}
+    if not lora:
+        return {k: v.detach().clone() for k, v in base.state_dict().items()}
+    import copy
+    merged = copy.deepcopy(base)
+    for name, module in merged.named_modules():
+        if name in lora:
+            module.merge(adapter_names=[ADAPTER[1:]])
+    state = {}
+    for key, value in merged.state_dict().items():
+        if "lora_" in key:
+            continue
+        # peft keeps the adapted layer's own weight under `base_layer.`
+        state[key.replace(".base_layer.", ".")] = value.detach().clone()
+    return state
+
+
+def to_authors_state(model) -> dict[str, torch.Tensor]:
+    """PretrainedMemoryLM (RMT, `pattern: causal`) -> a RecurrentWrapper state dict."""
+    if model.cfg.mechanism != "rmt" or model.cfg.rmt.pattern != "causal":
+        raise ValueError(f"the RMT authors' wrapper runs RMT with its causal pattern; this "
+                         f"model is {model.cfg.mechanism!r} with pattern "
+                         f"{model.cfg.rmt.pattern!r} (model.rmt.pattern), whose outputs "
+                         "their code would not reproduce")
+    if model.memory_init is None:
+        raise ValueError("the model has no memory tokens (model.rmt.num_mem_tokens 0)")
+    state = {"memory_cell.memory": model.memory_init().detach().float().clone()}
+    for key, value in merged_base_state(model).items():
+        state["memory_cell.model." + key] = value
+    return state
+
+
+def lora_state(model) -> dict[str, torch.Tensor]:
+    """The trained LoRA adapters under peft's adapter-file names."""
+    out = {}
+    for name, p in model.named_parameters():
+        if "lora_" in name and name.startswith(BASE):
+            key = PEFT_PREFIX + name[len(BASE):].replace(ADAPTER + ".", ".")
+            out[key] = p.detach().float().cpu().contiguous().clone()
+    return out

@@ -1,0 +1,199 @@
+"""Weights in and out (train/interop.py, model/pretrained/authors_format.py): a state dict
+in the RMT authors' layout, built here from the stated key names and shapes, imports into a
+model that reproduces the authors' loop (tests/pretrained_helpers.py `authors_reference`);
+the authors' layout and a peft adapter written by `memtrain export` reproduce memtrain's
+log-probs when run by that loop; `init_from` starts a run from an import."""
+
+import json
+
+import pytest
+import torch
+from pretrained_helpers import TINY, V, authors_reference, hf_model_section
+
+from model import ModelConfig, build_model
+from model.io import load_initial, load_model, read_config, save_model
+from train.cli import main_export, main_import
+from train.interop import MEMORY_CONFIG, MEMORY_FILE, export_peft, read_state_dict
+
+M, L = 3, 8
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {arch: TINY[arch](root / arch, tokenizer=True) for arch in ("gpt2", "llama")}
+
+
+def _segments(n=(8, 8, 5)):
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, V, (2, k), generator=g) for k in n]
+
+
+def authors_checkpoint(base_dir, path, seed=0):
+    """What `torch.save(RecurrentWrapper(MemoryCell(base, m), segment_size=L).state_dict())`
+    holds after fine-tuning: `memory_cell.memory` [m, d] and `memory_cell.model.<base key>`
+    for every base weight (perturbed here, so an import that kept the original base fails)."""
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir))
+    g = torch.Generator().manual_seed(seed)
+    state = {"memory_cell.memory": torch.randn(M, base.config.hidden_size, generator=g)}
+    with torch.no_grad():   # per parameter: tied weights (GPT-2's head) stay one tensor
+        for p in base.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    for key, value in base.state_dict().items():
+        state["memory_cell.model." + key] = value.clone()
+    torch.save(state, path)
+    return state
+
+
+def _reference_from_state(base_dir, state, segments):
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir))
+    base.load_state_dict({k[len("memory_cell.model."):]: v for k, v in state.items()
+                          if k.startswith("memory_cell.model.")})
+    with torch.no_grad():
+        return authors_reference(base.eval(), state["memory_cell.memory"], segments)
+
+
+def _run(model, segments):
+    state, out = None, []
+    with torch.no_grad():
+        for seg in segments:
+            res = model(seg, state, return_log_probs=True)
+            state = res.state
+            out.append((res.log_probs, state.tokens))
+    return out
+
+
+def _close(ours, ref):
+    for (lp, mem), (ref_lp, ref_mem) in zip(ours, ref):
+        torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
+        torch.testing.assert_close(mem, ref_mem, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_an_authors_checkpoint_imports_to_a_model_that_reproduces_their_loop(
+        ckpt, arch, tmp_path, capsys):
+    state = authors_checkpoint(ckpt[arch], tmp_path / "rmt.pt")
+    assert main_import(["--state-dict", str(tmp_path / "rmt.pt"), "--base", str(ckpt[arch]),
+                        "--segment-size", str(L), "--out", str(tmp_path / "imp")]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["num_mem_tokens"] == M and summary["segment_size"] == L
+    model = load_model(tmp_path / "imp" / "model.safetensors").eval()
+    cfg = read_config(tmp_path / "imp" / "model.safetensors")
+    assert (cfg.rmt.pattern, cfg.tgt_len, cfg.rmt.num_mem_tokens) == ("causal", L, M)
+    segs = _segments()
+    _close(_run(model, segs), _reference_from_state(ckpt[arch], state, segs))
+
+    # ... and exports back to the same state dict (the authors' code loads it unchanged).
+    assert main_export(["--model", str(tmp_path / "imp" / "model.safetensors"), "--format",
+                        "authors", "--out", str(tmp_path / "back.pt")]) == 0
+    back = read_state_dict(tmp_path / "back.pt")
+    assert set(back) == set(state)
+    for key in state:
+        torch.testing.assert_close(back[key], state[key], atol=0, rtol=0, msg=key)
+
+
+def test_a_bare_memory_cell_state_dict_imports_too(ckpt, tmp_path):
+    state = authors_checkpoint(ckpt["gpt2"], tmp_path / "rmt.pt")
+    cell = {k[len("memory_cell."):]: v for k, v in state.items()}
+    torch.save(cell, tmp_path / "cell.pt")
+    assert main_import(["--state-dict", str(tmp_path / "cell.pt"), "--base",
+                        str(ckpt["gpt2"]), "--segment-size", str(L), "--out",
+                        str(tmp_path / "imp")]) == 0
+    segs = _segments()
+    model = load_model(tmp_path / "imp" / "model.safetensors").eval()
+    _close(_run(model, segs), _reference_from_state(ckpt["gpt2"], state, segs))
+
+
+def test_a_checkpoint_outside_the_layout_is_refused_by_name(ckpt, tmp_path, capsys):
+    state = authors_checkpoint(ckpt["gpt2"], tmp_path / "rmt.pt")
+    cases = {"no-memory": {k: v for k, v in state.items() if k != "memory_cell.memory"},
+             "extra-key": {**state, "memory_cell.other.weight": torch.zeros(2)},
+             "wrong-base": state}
+    expect = {"no-memory": "no 'memory_cell.memory'", "extra-key": "outside the authors",
+              "wrong-base": "does not fit the base model"}
+    for name, bad in cases.items():
+        torch.save(bad, tmp_path / f"{name}.pt")
+        base = ckpt["llama"] if name == "wrong-base" else ckpt["gpt2"]
+        assert main_import(["--state-dict", str(tmp_path / f"{name}.pt"), "--base", str(base),
+                            "--segment-size", str(L), "--out", str(tmp_path / name)]) != 0
+        assert expect[name] in capsys.readouterr().err
+
+
+def _lora_model(path, pattern="causal"):
+    torch.manual_seed(0)
+    section = hf_model_section(path, M, L, finetune="lora")
+    section["rmt"]["pattern"] = pattern
+    model = build_model(ModelConfig.from_dict(section))
+    with torch.no_grad():   # trained adapters: B != 0, or the adapter would be a no-op
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    return model.eval()
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_peft_adapter_export_reproduces_memtrains_log_probs(ckpt, arch, tmp_path):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    model = _lora_model(ckpt[arch])
+    save_model(model, tmp_path / "run.safetensors")
+    export_peft(load_model(tmp_path / "run.safetensors"), tmp_path / "adapter")
+    meta = json.loads((tmp_path / "adapter" / MEMORY_CONFIG).read_text())
+    assert (meta["mechanism"], meta["pattern"], meta["num_mem_tokens"],
+            meta["segment_length"]) == ("rmt", "causal", M, L)
+    base = AutoModelForCausalLM.from_pretrained(str(ckpt[arch]))
+    peft_model = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+    memory = load_file(str(tmp_path / "adapter" / MEMORY_FILE))["memory_init.value"]
+    segs = _segments()
+    with torch.no_grad():
+        ref = authors_reference(peft_model, memory, segs)
+    _close(_run(model, segs), ref)
+
+
+def test_a_lora_run_exports_to_the_authors_layout_with_the_adapters_merged(ckpt, tmp_path):
+    model = _lora_model(ckpt["llama"])
+    save_model(model, tmp_path / "run.safetensors")
+    assert main_export(["--model", str(tmp_path / "run.safetensors"), "--format", "authors",
+                        "--out", str(tmp_path / "rmt.safetensors")]) == 0
+    state = read_state_dict(tmp_path / "rmt.safetensors")
+    assert not any("lora_" in k or "base_layer" in k for k in state)
+    segs = _segments()
+    _close(_run(model, segs), _reference_from_state(ckpt["llama"], state, segs))
+
+
+def test_exports_that_would_not_reproduce_are_refused(ckpt, tmp_path, capsys):
+    save_model(_lora_model(ckpt["gpt2"], pattern="paper"), tmp_path / "paper.safetensors")
+    assert main_export(["--model", str(tmp_path / "paper.safetensors"), "--format", "authors",
+                        "--out", str(tmp_path / "x.pt")]) != 0
+    assert "model.rmt.pattern" in capsys.readouterr().err
+    torch.manual_seed(0)
+    frozen = build_model(ModelConfig.from_dict(hf_model_section(ckpt["gpt2"], M, L,
+                                                                finetune="frozen")))
+    save_model(frozen, tmp_path / "frozen.safetensors")
+    assert main_export(["--model", str(tmp_path / "frozen.safetensors"), "--format", "peft",
+                        "--out", str(tmp_path / "adapter")]) != 0
+    assert "model.hf.finetune" in capsys.readouterr().err
+
+
+def test_init_from_loads_the_imported_memory_and_keeps_new_adapters(ckpt, tmp_path):
+    authors_checkpoint(ckpt["gpt2"], tmp_path / "rmt.pt")
+    assert main_import(["--state-dict", str(tmp_path / "rmt.pt"), "--base", str(ckpt["gpt2"]),
+                        "--segment-size", str(L), "--out", str(tmp_path / "imp")]) == 0
+    file = tmp_path / "imp" / "model.safetensors"
+    imported = load_model(file)
+    section = hf_model_section(tmp_path / "imp" / "base", M, L, finetune="lora")
+    section["rmt"]["pattern"] = "causal"
+    torch.manual_seed(1)
+    model = build_model(ModelConfig.from_dict(section))
+    lora_before = {n: p.clone() for n, p in model.named_parameters() if "lora_" in n}
+    assert load_initial(model, file) == ["memory_init.value"]
+    assert torch.equal(model.memory_init.value, imported.memory_init.value)
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            assert torch.equal(p, lora_before[n])
+    section["rmt"]["pattern"] = "paper"
+    with pytest.raises(ValueError, match="model.rmt.pattern"):
+        load_initial(build_model(ModelConfig.from_dict(section)), file)

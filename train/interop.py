@@ -1,0 +1,135 @@
+"""Weights in and out in the formats the field shares (docs/coming-from-authors.md).
+
+    memtrain import --state-dict rmt.pt --base ckpt/gpt2 --segment-size 128 --out imported/
+    memtrain export --model imported/model.safetensors --format authors --out rmt.pt
+    memtrain export --run-dir runs/lora-run --format peft --out adapter/
+
+In: a state dict saved by the RMT authors' Hugging Face wrapper (RecurrentWrapper or
+MemoryCell, model/pretrained/authors_format.py states the layout) becomes a model
+directory: `base/`, the base checkpoint with the authors' fine-tuned weights
+(`save_pretrained`, tokenizer copied from --base), and `model.safetensors`, a memtrain model
+file (RMT, `pattern: causal`, the memory) that `memtrain generate`, `export` and a run's
+`init_from` read. Out: the authors' layout (their code loads a memtrain-trained model), or a
+peft adapter directory (`PeftModel.from_pretrained(base, dir)`) with the memory and a small
+config beside it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from model import ModelConfig, build_model
+from model.io import save_model
+from model.pretrained.authors_format import lora_state, split_authors_state, to_authors_state
+
+# Buffers older transformers saved in state dicts and current ones rebuild (GPT-2's causal
+# mask `attn.bias` / `attn.masked_bias`, RoPE's `inv_freq`): skipped on import, by name.
+_REBUILT_BUFFERS = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+MEMORY_CONFIG = "memtrain_memory.json"
+MEMORY_FILE = "memtrain_memory.safetensors"
+
+
+def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """A state dict from .safetensors or a torch file (loaded with weights_only: a pickle
+    that is not plain tensors is refused rather than executed)."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        return load_file(str(path))
+    state = torch.load(str(path), map_location="cpu", weights_only=True)
+    for wrapper in ("state_dict", "model_state_dict", "model"):
+        if isinstance(state, dict) and set(state) == {wrapper}:
+            state = state[wrapper]
+    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+        raise ValueError(f"{path} holds no flat state dict of tensors")
+    return state
+
+
+def import_authors_rmt(state_path: str | Path, base_dir: str | Path, segment_size: int,
+                       out: str | Path) -> dict:
+    """The RMT authors' checkpoint -> a model directory (module docstring). Every base
+    weight must be the base model's, of its shape; nothing is left behind silently."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    out, base_dir = Path(out), Path(base_dir)
+    if segment_size <= 0:
+        raise ValueError(f"--segment-size must be > 0, got {segment_size}")
+    base_state, memory = split_authors_state(read_state_dict(state_path))
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir), local_files_only=True,
+                                                dtype=torch.float32)
+    skipped = sorted(k for k in base_state if k.endswith(_REBUILT_BUFFERS)
+                     and k not in base.state_dict())
+    for key in skipped:
+        del base_state[key]
+    result = base.load_state_dict(base_state, strict=False)
+    tied = set(getattr(base, "_tied_weights_keys", None) or ())   # e.g. GPT-2's lm_head
+    missing = [k for k in result.missing_keys if k not in tied]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"{state_path} does not fit the base model at {base_dir}: missing "
+                         f"{missing[:8]}, unexpected {result.unexpected_keys[:8]}")
+    if memory.shape[1] != base.config.hidden_size:
+        raise ValueError(f"the memory is {tuple(memory.shape)} but the base model's width is "
+                         f"{base.config.hidden_size}")
+    (out / "base").mkdir(parents=True, exist_ok=True)
+    base.save_pretrained(out / "base")
+    try:
+        AutoTokenizer.from_pretrained(str(base_dir), local_files_only=True).save_pretrained(
+            out / "base")
+    except (OSError, ValueError, TypeError):
+        pass  # a base without a tokenizer (ids only): nothing to copy
+    cfg = ModelConfig.from_dict({
+        "mechanism": "rmt", "backbone": "hf", "tgt_len": segment_size, "mem_len": 0,
+        "dropout": 0.0, "rmt": {"num_mem_tokens": memory.shape[0], "pattern": "causal"},
+        "hf": {"path": str((out / "base").resolve()), "finetune": "frozen"}})
+    model = build_model(cfg)
+    with torch.no_grad():
+        model.memory_init.value.copy_(memory)
+    save_model(model, out / "model.safetensors",
+               extra={"imported_from": str(state_path), "imported_format": "rmt-authors"})
+    return {"imported": str(out / "model.safetensors"), "base": str(out / "base"),
+            "num_mem_tokens": memory.shape[0], "segment_size": segment_size,
+            "base_tensors": len(base_state), "skipped_buffers": skipped}
+
+
+def export_authors(model, out: str | Path) -> Path:
+    """The authors' RecurrentWrapper state dict (LoRA merged), as a torch file or
+    .safetensors by the name's suffix."""
+    out = Path(out)
+    state = to_authors_state(model)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".safetensors":
+        # Tied weights are one tensor: safetensors wants them stored apart.
+        save_file({k: v.contiguous().clone() for k, v in state.items()}, str(out))
+    else:
+        torch.save(state, str(out))
+    return out
+
+
+def memory_config(model) -> dict:
+    cfg = model.cfg
+    return {"mechanism": cfg.mechanism, "pattern": cfg.rmt.pattern,
+            "num_mem_tokens": cfg.rmt.num_mem_tokens, "segment_length": cfg.tgt_len,
+            "base": cfg.hf.path, "base_revision": cfg.hf.revision,
+            "memtrain_model_config": cfg.to_dict()}
+
+
+def export_peft(model, out: str | Path) -> Path:
+    """A peft adapter directory (adapter_config.json + adapter_model.safetensors) and, beside
+    the adapter, the memory parameters and their config (MEMORY_FILE, MEMORY_CONFIG)."""
+    cfg = model.cfg
+    if cfg.backbone != "hf" or cfg.hf.finetune != "lora":
+        raise ValueError(f"a peft adapter holds LoRA weights: this model's model.hf.finetune "
+                         f"is {cfg.hf.finetune!r} (use --format memtrain or authors)")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    lora = model.base.peft_config["default"]
+    lora.base_model_name_or_path = cfg.hf.path
+    lora.save_pretrained(str(out))
+    save_file(lora_state(model), str(out / "adapter_model.safetensors"))
+    memory = {n: p.detach().float().cpu().contiguous().clone()
+              for n, p in model.named_parameters() if not n.startswith("base.")}
+    save_file(memory, str(out / MEMORY_FILE))
+    (out / MEMORY_CONFIG).write_text(json.dumps(memory_config(model), indent=1) + "\n")
+    return out
