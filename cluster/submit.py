@@ -61,8 +61,8 @@ def absolute_paths(cfg) -> list[str]:
     """Overrides that pin the run config's relative paths to the directory `memtrain submit`
     ran in (what a local run there would use), so that the job does not depend on the
     directory sbatch starts it in: data.path, deepspeed.config, a sqlite tracking.uri, a
-    pretrained checkpoint directory (model.hf.path), the init_from file. URLs, url_template and hub names are
-    left as they are."""
+    pretrained checkpoint directory (model.hf.path), the init_from file. URLs,
+    url_template and hub names are left as they are."""
     out = []
     hf_path = cfg.model.hf.path if cfg.model.backbone == "hf" else ""
     if hf_path and os.path.isdir(os.path.expanduser(hf_path)) and not os.path.isabs(hf_path):

@@ -66,7 +66,7 @@ def _run(model, segments):
 
 
 def _close(ours, ref):
-    for (lp, mem), (ref_lp, ref_mem) in zip(ours, ref):
+    for (lp, mem), (ref_lp, ref_mem) in zip(ours, ref, strict=True):
         torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=0)
         torch.testing.assert_close(mem, ref_mem, atol=1e-5, rtol=0)
 

@@ -48,7 +48,7 @@ def test_causal_pattern_log_probs_and_memory_equal_the_base_model_on_mem_tokens_
     with torch.no_grad():
         ref = reference(model.base, model.memory_init(), segs)
         state = None
-        for (ref_lp, ref_mem), seg in zip(ref, segs):
+        for (ref_lp, ref_mem), seg in zip(ref, segs, strict=True):
             out = model(seg, state, return_log_probs=True)
             state = out.state
             torch.testing.assert_close(out.log_probs, ref_lp, atol=1e-5, rtol=0)
@@ -61,7 +61,7 @@ def test_causal_pattern_gradients_equal_the_reference_through_three_segments(ckp
     segs = _segments()
     targets = [torch.roll(s, -1, dims=1) for s in segs]
     state, loss = None, 0.0
-    for seg, tgt in zip(segs, targets):
+    for seg, tgt in zip(segs, targets, strict=True):
         out = model(seg, state, targets=tgt)
         state, loss = out.state, loss + out.nll.sum()
     loss.backward()
@@ -69,7 +69,7 @@ def test_causal_pattern_gradients_equal_the_reference_through_three_segments(ckp
     model.zero_grad()
     ref_loss = sum(-lp.gather(-1, t[..., None]).sum()
                    for (lp, _), t in zip(reference(model.base, model.memory_init(), segs),
-                                         targets))
+                                         targets, strict=True))
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-6)
     assert "memory_init.weight" in ours or any("memory_init" in n for n in ours)

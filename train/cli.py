@@ -29,7 +29,6 @@ from .run_access import load_run_config, pick_checkpoint
 from .run_dir import RunDir
 from .trainer import main_entry
 
-
 FORMATS = ("memtrain", "peft", "authors")
 
 

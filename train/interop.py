@@ -16,6 +16,7 @@ config beside it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -74,11 +75,9 @@ def import_authors_rmt(state_path: str | Path, base_dir: str | Path, segment_siz
                          f"{base.config.hidden_size}")
     (out / "base").mkdir(parents=True, exist_ok=True)
     base.save_pretrained(out / "base")
-    try:
+    with contextlib.suppress(OSError, ValueError, TypeError):   # no tokenizer: ids only
         AutoTokenizer.from_pretrained(str(base_dir), local_files_only=True).save_pretrained(
             out / "base")
-    except (OSError, ValueError, TypeError):
-        pass  # a base without a tokenizer (ids only): nothing to copy
     cfg = ModelConfig.from_dict({
         "mechanism": "rmt", "backbone": "hf", "tgt_len": segment_size, "mem_len": 0,
         "dropout": 0.0, "rmt": {"num_mem_tokens": memory.shape[0], "pattern": "causal"},
