@@ -249,6 +249,34 @@ def test_a_published_target_outside_the_official_labels_is_refused(tmp_path, cap
         capsys.readouterr().err
 
 
+def test_together_the_stories_alone_are_bucketed_by_the_segments_they_fill(tmp_path, texts):
+    from data_pipeline.streams import length_buckets
+    from train.config import CurriculumConfig
+    from train.curriculum import SegmentCurriculum
+
+    out = _build(tmp_path / "together", texts, "--together", lengths="0,256")
+    m = load_manifest(str(out))
+    tokens, _, _ = read_episodes(m, "train")
+    records = read_samples(out, "train")
+    buckets = length_buckets(m, "train")
+    bucket_of = {int(i): k for k, rows in buckets.items() for i in rows}
+    assert sorted(bucket_of) == list(range(len(records)))   # every row in one bucket
+    filler = ByteVocab().encode(" ")[0]
+    for i, rec in enumerate(records):
+        if rec["length"]:
+            assert bucket_of[i] == rec["length"] // 64
+        else:   # the story (after its leading blank) in whole segments: 1 to 4 of them
+            content = tokens.shape[1] - np.argmax(tokens[i] != filler)
+            assert bucket_of[i] == -(-(content - 1) // 64) >= 1
+    short = sorted(k for k in buckets if k < 4)
+    assert short, "stories of 5 facts fill fewer than 4 segments of 64 bytes"
+    stream = EpisodeStream(m, "train", 2, seed=0)
+    SegmentCurriculum(CurriculumConfig(segments=[*short, 4], every=5), stream, m, str(out))
+    stream.set_segments(short[0])
+    segs = next(iter(stream))
+    assert len(segs) == short[0] and bool(segs[0].reset.all())
+
+
 def test_a_length_curriculum_names_the_lengths_the_data_has(tmp_path, texts):
     from model import ConfigError
     from train.config import CurriculumConfig

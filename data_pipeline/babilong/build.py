@@ -16,7 +16,10 @@ length alone. The background drawn for a story depends on the length too.
 
 `together` stores every row right-aligned in the longest length's T; manifest
 extra.babilong.length_rows lists, per split, the row range of each length, so a stream can
-train on the rows of one length at a time (data_pipeline/streams.py, EpisodeStream).
+train on the rows of one length at a time (data_pipeline/streams.py, EpisodeStream). Rows of
+length 0 (the story alone) count there by the whole segments they fill, 1, 2, ... (their
+rows grouped by that count), so a curriculum stage of n segments also draws the stories
+that fill n segments.
 """
 
 from __future__ import annotations
@@ -73,10 +76,13 @@ class Sample:
 def seq_len_of(rows: list[Row], length: int, seg_len: int) -> int:
     """T of a length's rows: the length itself, or for 0 (and the published files, whose
     lengths are in another tokenizer's tokens) the longest row rounded up to whole segments."""
-    if length:
-        return length
-    longest = max(r.ids.size for r in rows) - 1
-    return -(-longest // seg_len) * seg_len
+    return length or max(filled_length(0, r, seg_len) for r in rows)
+
+
+def filled_length(length: int, row: Row, seg_len: int) -> int:
+    """The positions a row fills in whole segments: its length, or for 0 (the story alone,
+    padded in front) its own positions rounded up to whole segments."""
+    return length or -(-(row.ids.size - 1) // seg_len) * seg_len
 
 
 def check_lengths(lengths: list[int], seg_len: int) -> None:
@@ -109,9 +115,12 @@ def story_rows(layout: Layout, stories, length: int, pool, seed: int, split: str
 
 def write_dataset(out: Path, layout: Layout, split_rows: dict[str, list[tuple[int, Row]]],
                   split_samples: dict[str, list[Sample]], seq_len: int, seg_len: int,
-                  meta: dict, samples_per_shard: int) -> Manifest:
+                  meta: dict, samples_per_shard: int, together: bool = False) -> Manifest:
     """Shards, samples files and manifest of one data set in `out`. split_rows[split] is
-    the (length, row) of every row in order; split_samples[split] what each asks."""
+    the (length, row) of every row in order; split_samples[split] what each asks.
+    `together`: length_rows counts each row by the positions it fills (`filled_length`: a
+    story alone by its whole segments, not as 0), the buckets a length curriculum draws
+    from."""
     out.mkdir(parents=True, exist_ok=True)
     vocab = layout.vocab
     dtype = id_dtype(vocab.size)
@@ -124,7 +133,8 @@ def write_dataset(out: Path, layout: Layout, split_rows: dict[str, list[tuple[in
         records = [s.record(n) for s, (n, _) in zip(split_samples[split], pairs, strict=True)]
         atomic_write_text(out / f"{split}.samples.jsonl",
                           "".join(json.dumps(r) + "\n" for r in records))
-        length_rows[split] = _ranges([n for n, _ in pairs])
+        length_rows[split] = _ranges([filled_length(n, r, seg_len) if together else n
+                                      for n, r in pairs])
     babilong = {**meta, "seg_len": seg_len, "answer_tokens": layout.answer_tokens,
                 "labels": {t: list(v) for t, v in layout.labels.items()},
                 "layout": {"question_prompt": QUESTION_PROMPT, "answer_text": ANSWER_TEXT,

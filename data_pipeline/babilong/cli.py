@@ -26,6 +26,7 @@ from .assemble import Layout, Row, assemble
 from .build import (
     Sample,
     check_lengths,
+    filled_length,
     length_label,
     parse_length,
     seq_len_of,
@@ -158,10 +159,17 @@ def build(args) -> list[Path]:
     if args.together:
         seq_len = max(seq_len_of([r for s in SPLITS for _, r in rows[n][s]], n, args.seg_len)
                       for n in lengths)
-        split_rows = {s: [p for n in lengths for p in rows[n][s]] for s in SPLITS}
-        split_samples = {s: samples[s] * len(lengths) for s in SPLITS}
+        split_rows, split_samples = {}, {}
+        for s in SPLITS:
+            # Rows of one length in order; the stories alone (0) grouped by the segments
+            # they fill (a stable sort), so that each count is one run of length_rows.
+            picked = sorted(((i, n, pair, sample) for i, n in enumerate(lengths)
+                             for pair, sample in zip(rows[n][s], samples[s], strict=True)),
+                            key=lambda x: (x[0], filled_length(x[1], x[2][1], args.seg_len)))
+            split_rows[s] = [pair for _, _, pair, _ in picked]
+            split_samples[s] = [sample for _, _, _, sample in picked]
         m = write_dataset(out, layout, split_rows, split_samples, seq_len, args.seg_len,
-                          {**meta, "lengths": lengths}, args.samples_per_shard)
+                          {**meta, "lengths": lengths}, args.samples_per_shard, together=True)
         written.append(out)
         print(f"wrote {out}: lengths {lengths} in rows of {seq_len} positions "
               f"({m.extra['n_segments']} x {args.seg_len})")
