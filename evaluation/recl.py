@@ -17,7 +17,9 @@ length, the step (the paper's values are multiples of 100, which suggests 100) a
 context of c tokens is imposed on a recurrent model. We evaluate with mem_len = c; for
 Transformer-XL and LaMemo same_length makes every query attend to exactly c keys. Cached
 states may still hold information from further back (each layer extends the reach), which
-is the "effective" context the paper measures. RMT's memory tokens are not limited by c.
+is the "effective" context the paper measures. RMT's and ARMT's memory (tokens, and ARMT's
+associative matrices) is not limited by c, and they take no same_length: for them c is the
+mem_len of their XL cache alone (0 when they have none).
 
 Every c scores the same tokens: the first tokens of each row, up to the largest context,
 are left out, so each scored token has a full context at every c.
@@ -85,7 +87,9 @@ def per_token_losses(model, manifest, split: str, rows: int, tgt_len: int, conte
                      ) -> torch.Tensor:
     """NLL of tokens skip..end of every row with evaluation memory `context`, [rows * n]."""
     was_training = model.training
-    same = model.cfg.mechanism != "rmt" and context > 0
+    # same_length is Transformer-XL's and LaMemo's; RMT and ARMT do not define it (their
+    # memory rows see their blocks whole), so for them the context is mem_len alone.
+    same = model.cfg.mechanism not in ("rmt", "armt") and context > 0
     model.eval()
     stream = TokenStream(manifest, split, rows, tgt_len, 0, 1, url_template=url_template)
     state, parts = None, []

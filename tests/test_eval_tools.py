@@ -85,6 +85,38 @@ def test_a_model_still_gaining_at_the_largest_context_gets_a_lower_bound():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("mechanism", ["rmt", "armt"])
+def test_recl_losses_of_memory_token_models_are_read_at_each_context(tmp_path, mechanism):
+    # RMT and ARMT define no same_length (their memory rows see their blocks whole): the
+    # context c is imposed as mem_len alone, the losses those of a plain read at mem_len c.
+    import numpy as np
+    from reference import tiny_model
+
+    from data_pipeline.shard_writer import write_manifest, write_token_split
+    from data_pipeline.shards import Manifest, id_dtype, load_manifest
+    from data_pipeline.streams import TokenStream
+    model = tiny_model(mechanism)
+    vocab = model.cfg.vocab_size
+    ids = np.random.default_rng(0).integers(0, vocab, 400)
+    info = write_token_split(tmp_path, "train", [ids], id_dtype(vocab), 64, 3)
+    write_manifest(tmp_path, Manifest(kind="tokens", source="test", vocab={"kind": "test"},
+                                      vocab_fingerprint="f" * 64, vocab_size=vocab,
+                                      dtype=str(id_dtype(vocab)), chunk_tokens=64,
+                                      splits={"train": info}))
+    manifest = load_manifest(tmp_path)
+    for context in (0, 8):
+        got = R.per_token_losses(model, manifest, "train", 2, 4, context, 8, 16,
+                                 torch.device("cpu"))
+        state, want = None, []
+        stream = TokenStream(manifest, "train", 2, 4, 0, 1)
+        with torch.no_grad(), model.using_lengths(mem_len=context):
+            for _, seg in zip(range(4), stream, strict=False):
+                out = model(seg.tokens[:, :-1], state, targets=seg.tokens[:, 1:])
+                state = out.state
+                want.append(out.nll)
+        assert torch.equal(got, torch.cat(want, dim=1)[:, 8:16].reshape(-1))
+
+
 def test_recl_of_the_group_finds_the_streams_dependency_length(runs, tmp_path):
     done = _memtrain("recl", "--run-dirs", runs["mem16"], runs["mem0"], "--start", 4,
                      "--step", 4, "--max-context", 32, "--out", tmp_path / "recl")
