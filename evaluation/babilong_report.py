@@ -12,6 +12,7 @@ three files as artifacts. `memtrain compare` shows those metrics side by side
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
@@ -29,12 +30,19 @@ from train.run_access import log_to_run, pick_checkpoint
 from train.run_dir import RunDir, atomic_write_json
 
 from .babilong import evaluate_babilong, find_folders
+from .babilong_score import is_correct
 from .generate_cli import DataIds
+
+# How labels are found in an answer (evaluation/babilong_score.py), as the report names it.
+MATCHING = {True: "whole words", False: "substrings (the authors' code)"}
 
 
 def run_babilong(cfg: RunConfig, checkpoint: str | None, data: str, *, tasks=None,
-                 lengths=None, samples: int = 0, track: bool = True) -> dict | None:
-    """Score the checkpoint on every (task, length) of the BABILong data at `data`."""
+                 lengths=None, samples: int = 0, track: bool = True,
+                 whole_words: bool = True) -> dict | None:
+    """Score the checkpoint on every (task, length) of the BABILong data at `data`.
+    `whole_words=False` matches the labels as substrings, as the authors' code does
+    (evaluation/babilong_score.py), to reproduce their numbers."""
     if resolve_env().world_size > 1:
         raise ValueError("--babilong runs on one process (its rows are few and generated one "
                          "token at a time); launch `memtrain eval --babilong` without "
@@ -52,10 +60,11 @@ def run_babilong(cfg: RunConfig, checkpoint: str | None, data: str, *, tasks=Non
     with base.using_lengths(proto.mem_len, proto.clamp_len, proto.same_length):
         result = evaluate_babilong(model, folders, proto.split, tasks, seg_len=proto.tgt_len,
                                    batch=proto.batch, device=device, samples=samples,
+                                   score=functools.partial(is_correct, whole_words=whole_words),
                                    progress=lambda line: print(line, flush=True))
     result.update(checkpoint=info.path.name, step=info.step, data=str(data),
                   mechanism=cfg.model.mechanism, mem_len=proto.mem_len,
-                  clamp_len=proto.clamp_len)
+                  clamp_len=proto.clamp_len, matching=MATCHING[whole_words])
     print(format_table(result), flush=True)
     path = save_and_log(cfg, result, info.step, info.tag, track)
     print(f"BABILong table written to {path} (and its .md, .png)", flush=True)
@@ -97,9 +106,10 @@ def format_table(result: dict) -> str:
     """Markdown: one row per task, one column per length, accuracy (n) in each cell, and
     chance (1 / the number of the task's labels)."""
     tasks, lengths, cells = grid(result)
+    matching = f", labels matched as {result['matching']}" if "matching" in result else ""
     lines = [f"BABILong accuracy on {result['split']} ({result.get('checkpoint', '?')}, "
              f"segments of {result['seg_len']} tokens, greedy answers of up to the answer "
-             "field's length); cell: accuracy (samples)", "",
+             f"field's length{matching}); cell: accuracy (samples)", "",
              "| task | " + " | ".join(f"{lab} ({n})" for lab, n in lengths) + " | chance |",
              "|---|" + "---|" * (len(lengths) + 1)]
     for task in tasks:

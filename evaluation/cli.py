@@ -60,13 +60,18 @@ def main_eval(argv: list[str] | None = None) -> int:
                       help="length folders to score (default: all)")
     babi.add_argument("--samples", type=int, default=0, metavar="N",
                       help="at most N samples per task and length (default: all)")
+    babi.add_argument("--substring", action="store_true",
+                      help="match answer labels as substrings, as BABILong's own scoring code "
+                      "does (to reproduce its numbers); default: whole words")
     args = p.parse_intermixed_args(argv)
     try:
         cfg = load_run_config(args.run_dir, args.overrides)
     except ConfigError as err:
         return invalid_config("memtrain eval", err)
-    if args.babilong is None and (args.tasks or args.lengths or args.samples):
-        print("memtrain eval: --tasks/--lengths/--samples need --babilong", file=sys.stderr)
+    if args.babilong is None and (args.tasks or args.lengths or args.samples
+                                  or args.substring):
+        print("memtrain eval: --tasks/--lengths/--samples/--substring need --babilong",
+              file=sys.stderr)
         return 2
     if args.babilong is not None:
         if args.sweep or args.multiples or args.mem_lens or args.tgt_lens:
@@ -79,7 +84,7 @@ def main_eval(argv: list[str] | None = None) -> int:
         try:
             report = run_babilong(cfg, args.checkpoint, args.babilong, tasks=args.tasks,
                                   lengths=args.lengths, samples=args.samples,
-                                  track=not args.no_track)
+                                  track=not args.no_track, whole_words=not args.substring)
         except (FileNotFoundError, ValueError, ShardError) as err:  # ConfigError: a ValueError
             return error_line("memtrain eval", err, code=2)
         return 0 if report else 1

@@ -317,6 +317,54 @@ def test_eval_writes_json_md_png_and_logs_one_metric_per_task_against_length(
     assert "need --babilong" in capsys.readouterr().err
 
 
+def test_eval_substring_scores_labels_as_the_authors_code_does(data, tmp_path, monkeypatch,
+                                                                capsys):
+    # The command's wiring only: the checkpoint, the model and the scoring loop are stubs
+    # that record the rule `memtrain eval --babilong` scores with.
+    import contextlib
+
+    import evaluation.babilong_report as report
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(json.dumps({
+        "name": "babi", "run_dir": str(run_dir),
+        "model": {"mechanism": "rmt", "vocab_size": len(VOCAB), "n_layer": 1, "d_model": 16,
+                  "n_head": 2, "d_inner": 32, "tgt_len": SEG, "mem_len": 0,
+                  "rmt": {"num_mem_tokens": 2}},
+        "data": {"path": str(data / "0k"), "global_batch": 4}}))
+
+    class Stub:
+        def to(self, device):
+            return self
+
+        @contextlib.contextmanager
+        def using_lengths(self, *args):
+            yield
+
+    used = []
+
+    def evaluate(model, folders, split, tasks, *, score, **_):
+        used.append(score)
+        return {"split": split, "tasks": [], "seg_len": SEG, "lengths": [], "cells": []}
+    monkeypatch.setattr(report, "pick_checkpoint",
+                        lambda cfg, name: SimpleNamespace(path=run_dir / "step1", step=1,
+                                                          tag="step1"))
+    monkeypatch.setattr(report, "load_weights", lambda info, model_cfg: Stub())
+    monkeypatch.setattr(report, "_fit_vocab", lambda model, manifest, path: model)
+    monkeypatch.setattr(report, "evaluate_babilong", evaluate)
+    monkeypatch.setattr(report, "save_and_log", lambda *a: tmp_path / "out.json")
+    base = ["--run-dir", str(run_dir), "--babilong", str(data), "--no-track"]
+    assert main_eval([*base, "--substring"]) == 0
+    assert "labels matched as substrings" in capsys.readouterr().out
+    assert main_eval(base) == 0
+    assert "labels matched as whole words" in capsys.readouterr().out
+    question = "Where is Mary?"
+    assert used[0]("the bedrooms", "bedroom", question, ROOMS)        # the authors' quirk
+    assert not used[1]("the bedrooms", "bedroom", question, ROOMS)
+    assert main_eval(["--run-dir", str(run_dir), "--substring"]) == 2
+    assert "need --babilong" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------- compare
 def test_compare_shows_two_runs_babilong_tables_side_by_side(tmp_path, capsys):
     from mlflow import MlflowClient
