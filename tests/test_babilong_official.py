@@ -224,10 +224,65 @@ def test_a_missing_shard_is_an_error_naming_the_folder(tmp_path):
         find_official(tmp_path)
 
 
-def test_the_same_split_found_twice_is_an_error_naming_both(tmp_path):
-    # two layouts side by side (or two hub revisions under one root): no silent choice
-    a = tmp_path / "data" / "qa1" / "0k.json"
-    b = tmp_path / "0k" / "qa1-00000-of-00001.parquet"
+def _other(task: str, length: str, n: int) -> list[dict]:
+    """Records that tell a second copy of a split from the first."""
+    return [{**r, "question": r["question"] + " (other copy)"}
+            for r in _records(task, length, n)]
+
+
+def test_a_split_in_two_formats_is_read_in_the_format_datasets_infers_for_the_folder(
+        tmp_path):
+    # datasets reads one format per folder: the most common extension among its data files
+    # (here json, 3 files to 1), and on a tie parquet.
+    for task in ("qa1", "qa2", "qa3"):
+        _json(tmp_path / "data" / task / "0k.json", _records(task, "0k", 2))
+    _parquet(tmp_path / "0k" / "qa1-00000-of-00001.parquet", _other("qa1", "0k", 2))
+    assert find_official(tmp_path)[("0k", "qa1")] == (tmp_path / "data" / "qa1" / "0k.json",)
+    assert read_official(tmp_path, tasks=["qa1"]) == _expected("qa1", "0k", 2)
+    tie = tmp_path / "tie"
+    _json(tie / "data" / "qa1" / "0k.json", _records("qa1", "0k", 2))
+    _parquet(tie / "0k" / "qa1-00000-of-00001.parquet", _other("qa1", "0k", 2))
+    assert find_official(tie)[("0k", "qa1")] == (tie / "0k" / "qa1-00000-of-00001.parquet",)
+
+
+CARD = """---
+configs:
+- config_name: 4k
+  data_files:
+  - split: qa1
+    path: 4k/qa1-*
+- config_name: qa1
+  data_files:
+  - split: 4k
+    path: qa1/4k-*
+---
+# BABILong
+"""
+
+
+def test_a_split_in_two_layouts_of_a_hub_snapshot_is_read_as_its_dataset_card_says(
+        tmp_path, monkeypatch):
+    # An earlier RMT-team/babilong revision held config <length> in <length>/<task>-*.parquet
+    # and config <task> in <task>/<length>-*.parquet: the same split twice, one format.
+    snap = tmp_path / "datasets--RMT-team--babilong" / "snapshots" / "abc123"
+    _parquet(snap / "4k" / "qa1-00000-of-00001.parquet", _records("qa1", "4k", 3))
+    _parquet(snap / "qa1" / "4k-00000-of-00001.parquet", _other("qa1", "4k", 3))
+    (snap / "README.md").write_text(CARD)
+    assert read_official(tmp_path) == _expected("qa1", "4k", 3)
+    # ... which is what datasets itself reads for load_dataset(<snapshot>, "4k")["qa1"]
+    import datasets.config
+    for key in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        monkeypatch.setenv(key, "1")
+        monkeypatch.setattr(datasets.config, key, True)
+    theirs = datasets.load_dataset(str(snap), "4k", split="qa1",
+                                   cache_dir=str(tmp_path / "cache"))
+    assert [r["question"] for r in theirs] == [r["question"] for r in _records("qa1", "4k", 3)]
+
+
+def test_the_same_split_in_two_hub_revisions_is_an_error_naming_both(tmp_path):
+    # two revisions under one root: which one is meant is the caller's choice
+    a = tmp_path / "snapshots" / "rev1" / "data" / "qa1" / "0k.json"
+    b = tmp_path / "snapshots" / "rev2" / "0k" / "qa1-00000-of-00001.parquet"
     _json(a, _records("qa1", "0k", 1))
     _parquet(b, _records("qa1", "0k", 1))
     with pytest.raises(OfficialDataError, match="qa1 at length 0k .* more than once") as e:

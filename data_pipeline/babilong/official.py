@@ -27,7 +27,9 @@ that is: a file named by the task inside a folder named by the length, or the ot
 with an optional "-NNNNN-of-NNNNN" shard suffix, or numbered files inside <length>/<task>/ or
 <task>/<length>/. Files are .parquet (read with pyarrow), .json (a JSON list, or one record a
 line) or .jsonl. The root may be a hub snapshot (…/snapshots/<revision>/) or any folder above
-the files; other files (README.md, .gitattributes, the hub's .cache/) are ignored.
+the files; other files (README.md, .gitattributes, the hub's .cache/) are ignored. A split
+held in several layouts of one snapshot is read from the one `datasets.load_dataset` reads
+(find_official).
 
 Length labels are kept as written ("4k"): BABILong's k is 1000 GPT-2 tokens, less about 300
 for the prompt (data/create_tasks.py), not this project's tokens.
@@ -35,9 +37,10 @@ for the prompt (data/create_tasks.py), not this project's tokens.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,8 +99,10 @@ def find_official(root: Path) -> dict[tuple[str, str], tuple[Path, ...]]:
     """(length, task) -> the file(s) holding that split under `root`, in shard order.
 
     A split comes in one file, or in shards "-00000-of-0000N" that must all be present.
-    The same split found twice (two layouts, or two hub revisions under one root) is an
-    error that names both, rather than a silent choice."""
+    A split found in several layouts of one snapshot is read from the one
+    `datasets.load_dataset(<snapshot>, length)[task]` reads (`_as_datasets_reads`); found in
+    two hub revisions under one root (…/snapshots/<a>/ and …/snapshots/<b>/), or where no
+    rule tells the layouts apart, it is an error that names every copy."""
     root = Path(root)
     if not root.is_dir():
         raise OfficialDataError(f"BABILong files: {root} is not a folder")
@@ -118,12 +123,99 @@ def find_official(root: Path) -> dict[tuple[str, str], tuple[Path, ...]]:
     found = {}
     for (length, task), by_group in groups.items():
         if len(by_group) > 1:
+            by_group = _as_datasets_reads(root, length, task, by_group, groups)
+        if len(by_group) > 1:
             where = "; ".join(str(p) for files in by_group.values() for p in files)
             raise OfficialDataError(f"{task} at length {length} is under {root} more than "
                                     f"once: {where} (point at one copy)")
         (files,) = by_group.values()
         found[(length, task)] = tuple(_check_shards(sorted(files)))
     return dict(sorted(found.items(), key=lambda kv: (_order(kv[0][0]), _task_order(kv[0][1]))))
+
+
+def _snapshot(root: Path, path: Path) -> Path:
+    """The hub snapshot a file belongs to (…/snapshots/<revision>), else `root`."""
+    parts = path.relative_to(root).parts
+    for i, part in enumerate(parts[:-2]):
+        if part == "snapshots":
+            return root.joinpath(*parts[:i + 2])
+    return root
+
+
+def _as_datasets_reads(root: Path, length: str, task: str, by_group: dict,
+                       groups: dict) -> dict:
+    """Of the groups holding one split in several layouts, the one `datasets` (5.x,
+    datasets/load.py) reads for `load_dataset(<snapshot>, length)[task]`:
+
+    1. The dataset card's `configs` (README.md front matter) decide when they name the
+       split: config `length`, split `task`, whose `path` patterns (relative to the card)
+       match a group's files. RMT-team/babilong's card names data/<task>/<length>.json
+       today; earlier revisions held <length>/<task>-*.parquet and <task>/<length>-*.parquet
+       side by side, the card naming the first for config <length>.
+    2. Otherwise datasets infers one format for the whole folder: the file extension most
+       common among its data files, a tie going to .parquet, then .jsonl, then .json
+       (`infer_module_for_data_files_list`), and reads only the files of that format
+       (.json and .jsonl are one format, its json loader).
+
+    Groups in different hub revisions are left as they are (the caller refuses them), as
+    are groups no rule tells apart."""
+    snapshots = {_snapshot(root, files[0]) for files in by_group.values()}
+    if len(snapshots) > 1:
+        return by_group
+    (snapshot,) = snapshots
+    declared = {g: files for g, files in by_group.items()
+                if _card_names(snapshot, length, task, files)}
+    if len(declared) == 1:
+        return declared
+    formats = Counter(p.suffix for gs in groups.values() for fs in gs.values() for p in fs
+                      if _snapshot(root, p) == snapshot)
+    rank = {".parquet": 2, ".jsonl": 1, ".json": 0}
+    best = max(formats, key=lambda ext: (formats[ext], rank[ext]))
+    module = _FORMAT[best]
+    chosen = {g: files for g, files in by_group.items() if _FORMAT[files[0].suffix] == module}
+    return chosen or by_group
+
+
+_FORMAT = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}
+
+
+def _card_names(snapshot: Path, length: str, task: str, files: list[Path]) -> bool:
+    """Whether the dataset card nearest above `files` (a README.md between their folder and
+    the snapshot) names them as split `task` of config `length`."""
+    folder = files[0].parent
+    while not (folder / "README.md").is_file() and folder != snapshot \
+            and snapshot in folder.parents:
+        folder = folder.parent
+    for pattern in _card_patterns(folder / "README.md", length, task):
+        if all(fnmatch.fnmatchcase(f.relative_to(folder).as_posix(), pattern)
+               for f in files):
+            return True
+    return False
+
+
+def _card_patterns(card: Path, length: str, task: str) -> list[str]:
+    """The data_files path patterns a dataset card gives split `task` of config `length`
+    ([] without a card, a front matter or such a split)."""
+    try:
+        text = card.read_text(encoding="utf-8")
+    except OSError:
+        return []
+    if not text.startswith("---"):
+        return []
+    import yaml
+    try:
+        meta = yaml.safe_load(text.split("---", 2)[1]) or {}
+    except (yaml.YAMLError, IndexError):
+        return []
+    configs = meta.get("configs") if isinstance(meta, dict) else None
+    for config in configs if isinstance(configs, list) else []:
+        if not isinstance(config, dict) or config.get("config_name") != length:
+            continue
+        for split in config.get("data_files") or []:
+            if isinstance(split, dict) and split.get("split") == task:
+                paths = split.get("path")
+                return [paths] if isinstance(paths, str) else [str(p) for p in paths or []]
+    return []
 
 
 def _check_shards(files: list[Path]) -> list[Path]:
