@@ -86,6 +86,12 @@ class MemoryLM(SegmentLM):
     def initial_state(self, batch_size: int, device=None) -> MemoryState:
         return self.core.empty_state(batch_size, device)
 
+    def next_token_log_probs(self, tokens, state):
+        """Only the last position through the (adaptive) softmax: the open segment of a
+        generation is re-run per token, and [B, L, V] log-probs would be its largest cost."""
+        hidden, new_state = self.core(self.drop(self.embedding(tokens)), state, self.lengths)
+        return self.softmax(hidden[:, -1]), new_state
+
     def _forward(self, tokens, state, targets, loss_mask, return_log_probs) -> LMOutput:
         # Embeddings are scaled by sqrt(d_model) inside AdaptiveEmbedding (XL code).
         h0 = self.drop(self.embedding(tokens))

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from .backbone import Lengths
 from .config import ModelConfig
 from .memory import MemoryState
+from .open_segment import RerunSegment
 from .recompute import context_fn
 
 
@@ -108,3 +109,17 @@ class SegmentLM(nn.Module):
 
     def _forward(self, tokens, state, targets, loss_mask, return_log_probs) -> LMOutput:
         raise NotImplementedError
+
+    def next_token_log_probs(self, tokens: torch.Tensor, state: MemoryState | None
+                             ) -> tuple[torch.Tensor, MemoryState]:
+        """tokens [B, L] read on `state` -> (log-probabilities [B, V] of the token after
+        the last one, float32 or wider; the state after the L tokens, as `forward` returns
+        it). This default keeps the last row of `forward`'s log-probs; a subclass computes
+        only that row."""
+        out = self(tokens, state, return_log_probs=True)
+        return out.log_probs[:, -1], out.state
+
+    def open_segment(self, state: MemoryState):
+        """The open segment of a generation on the committed `state` (model/open_segment.py):
+        by default re-read whole at every new token, the last position's distribution only."""
+        return RerunSegment(self, self.next_token_log_probs, state)
