@@ -31,6 +31,7 @@ from data_pipeline.shards import load_manifest
 from data_pipeline.vocabs import vocab_from_dict
 from memtrain.command_line import error_line
 from model import ConfigError, load_model, stream_generate
+from model.open_segment import open_segment
 from model.pretrained.checkpoint_config import check_segment_positions
 from train.checkpoint import MARKER
 from train.export import load_weights
@@ -111,6 +112,30 @@ class DataIds(torch.nn.Module):
         if out.log_probs is not None:
             out.log_probs[..., self.n_ids:] = float("-inf")
         return out
+
+    def open_segment(self, state):
+        """The model's own open segment of a generation (model/open_segment.py: a
+        pretrained backbone's is KV-cached), its predictions limited to the data's ids."""
+        return DataIdsSegment(open_segment(self.model, state), self.n_ids)
+
+
+class DataIdsSegment:
+    """An open segment (model/open_segment.py) whose predictions give the ids from `n_ids`
+    on probability 0."""
+
+    def __init__(self, segment, n_ids: int):
+        self.segment, self.n_ids = segment, n_ids
+
+    def read(self, tokens) -> None:
+        self.segment.read(tokens)
+
+    def predict(self, tokens) -> torch.Tensor:
+        log_probs = self.segment.predict(tokens)
+        log_probs[..., self.n_ids:] = float("-inf")
+        return log_probs
+
+    def commit(self):
+        return self.segment.commit()
 
 
 class StreamingDecoder:

@@ -53,6 +53,7 @@ from lm_eval.api.registry import register_model
 
 from evaluation.generate_cli import load_for_generation
 from model import stream_generate
+from model.open_segment import open_segment
 from model.pretrained.checkpoint_config import check_segment_positions
 
 MEMORY_MODES = ("carry", "reset")
@@ -88,6 +89,12 @@ class FreshMemory(torch.nn.Module):
     def forward(self, tokens, state=None, **kwargs):
         return self.model(tokens, self.model.initial_state(tokens.shape[0], tokens.device),
                           **kwargs)
+
+    def open_segment(self, state):
+        """The model's own open segment of a generation (model/open_segment.py; KV-cached
+        for a pretrained backbone), on a fresh memory."""
+        fresh = self.model.initial_state(state.batch_size, state.length.device)
+        return open_segment(self.model, fresh)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -71,12 +71,15 @@ def _hidden(output):
 
 @contextmanager
 def associative_pass(layers: nn.ModuleList, blocks: nn.ModuleList, state: AssociativeMemory,
-                     n_tok: int, checkpoint: bool = False) -> Iterator[SegmentWrites]:
+                     n_tok: int, checkpoint: bool = False, write: bool = True
+                     ) -> Iterator[SegmentWrites]:
     """For the body of a with-block (one run of the base model over [tokens ∘ memory]):
     layer i's input gets block i's read of the incoming state, and block i writes the
     memory rows (those after the first `n_tok`) of layer i's output. Yields the writes.
     `checkpoint`: keep only the inputs of each read and write, recompute them in backward
-    (non-reentrant, as the layers' own checkpointing)."""
+    (non-reentrant, as the layers' own checkpointing). `write=False`: the reads alone, for
+    runs over token rows only (the open segment of a generation, incremental.py), whose
+    memory rows come later; the writes stay empty."""
     writes = SegmentWrites(A=[None] * len(layers), z=[None] * len(layers))
 
     def run(fn, *args):
@@ -102,7 +105,8 @@ def associative_pass(layers: nn.ModuleList, blocks: nn.ModuleList, state: Associ
         for i, (layer, block) in enumerate(zip(layers, blocks, strict=True)):
             handles.append(layer.register_forward_pre_hook(read_hook(i, block),
                                                            with_kwargs=True))
-            handles.append(layer.register_forward_hook(write_hook(i, block)))
+            if write:
+                handles.append(layer.register_forward_hook(write_hook(i, block)))
         yield writes
     finally:
         for h in handles:

@@ -38,6 +38,7 @@ from ..memory import RMTMemory
 from ..segment_lm import LMOutput, SegmentLM
 from .associative import associative_pass, decoder_layers_name
 from .checkpoint_config import position_kind
+from .incremental import CachedSegment
 from .loading import apply_finetune, load_base
 from .logits import check_logits, lm_logits
 from .positions import (
@@ -115,8 +116,7 @@ class PretrainedMemoryLM(SegmentLM):
         if m == 0:
             hidden = self.base.base_model(inputs_embeds=emb, use_cache=False)[0]
             return hidden, RMTMemory(tokens=state.tokens, fresh=torch.zeros_like(state.fresh))
-        init = self.memory_init().to(emb.dtype)[None].expand(bsz, -1, -1)
-        mem_in = torch.where(state.fresh[:, None, None], init, state.tokens.to(emb.dtype))
+        mem_in = self.memory_inputs(state, bsz, emb.dtype)
         x = torch.cat([mem_in, emb, mem_in], dim=1)
         pattern = self.cfg.rmt.pattern
         positions = memory_position_ids(m, n_tok, self.cfg.tgt_len, tokens.device, pattern)
@@ -128,6 +128,17 @@ class PretrainedMemoryLM(SegmentLM):
         # output alive for as long as the memory lives (every segment of a BPTT window).
         write = h[:, m + n_tok:].clone()
         return h[:, m:m + n_tok], RMTMemory(tokens=write, fresh=torch.zeros_like(state.fresh))
+
+    def memory_inputs(self, state: RMTMemory, bsz: int, dtype) -> torch.Tensor:
+        """RMT's read (and write) block inputs [B, m, d]: the carried memory, the learned
+        initial one in the rows that start a document (`fresh`)."""
+        init = self.memory_init().to(dtype)[None].expand(bsz, -1, -1)
+        return torch.where(state.fresh[:, None, None], init, state.tokens.to(dtype))
+
+    def open_segment(self, state: RMTMemory | AssociativeMemory) -> CachedSegment:
+        """The open segment of a generation read through the base model's KV cache, only
+        the last position's logits computed (incremental.py)."""
+        return CachedSegment(self, state)
 
     def decode_armt(self, emb: torch.Tensor, state: AssociativeMemory):
         """token embeddings [B, L, d] -> (hidden [B, L, d] after the final norm, the
