@@ -84,10 +84,18 @@ class ARMTOptions:
     # outputs are also carried as the next segment's memory tokens (RMT's recurrence on
     # top of the associative memory), through `model.rmt.memory_norm`.
     carry_tokens: bool = False
+    # Position ids of the memory tokens around a pretrained model (backbone hf; the native
+    # stack's positions are relative). "fixed": T .. T+m-1, T = max(L, tgt_len), the same
+    # rows whatever the segment's length; "follow": L .. L+m-1, right after the segment
+    # (the authors' code without wrap_pos: the base model's default positions); "table_end":
+    # the last m rows of a learned position table (the authors' wrap_pos, which appends m
+    # rows to GPT-2's table for the memory). model/pretrained/positions.py.
+    memory_positions: str = "fixed"
 
 
 MEMORY_NORMS = ("unit", "embedding", "none")
 RMT_PATTERNS = ("paper", "causal")
+ARMT_MEMORY_POSITIONS = ("fixed", "follow", "table_end")
 FEATURE_MAPS = ("dpfp", "elu", "identity")
 BACKBONES = ("native", "hf")
 FINETUNE_MODES = ("full", "frozen", "lora")
@@ -317,6 +325,13 @@ class ModelConfig:
         if self.rmt.mem_loss_weight:
             raise ConfigError("model.rmt.mem_loss_weight", "the auxiliary memory loss is "
                               "RMT's (§3.4); ARMT has none")
+        if o.memory_positions not in ARMT_MEMORY_POSITIONS:
+            raise ConfigError("model.armt.memory_positions", f"unknown {o.memory_positions!r}; "
+                              f"choose one of {', '.join(ARMT_MEMORY_POSITIONS)}")
+        if o.memory_positions != "fixed" and self.backbone != "hf":
+            raise ConfigError("model.armt.memory_positions", "places memory tokens in a "
+                              "pretrained model's positions (backbone 'hf'); the native "
+                              "stack's positions are relative")
 
     def _validate_pretrained(self) -> None:
         o = self.hf

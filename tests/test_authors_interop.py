@@ -197,3 +197,89 @@ def test_init_from_loads_the_imported_memory_and_keeps_new_adapters(ckpt, tmp_pa
     section["rmt"]["pattern"] = "paper"
     with pytest.raises(ValueError, match="model.rmt.pattern"):
         load_initial(build_model(ModelConfig.from_dict(section)), file)
+
+
+# ---------------------------------------------------------------------------------- ARMT
+D_MEM = 4
+
+
+def armt_authors_checkpoint(base_dir, layers_path, path, wrap_pos, seed=0):
+    """What `torch.save(AssociativeRecurrentWrapper(AssociativeMemoryCell(base, m, d_mem,
+    layers_attr, wrap_pos)).state_dict())` holds, from the stated layout: every decoder
+    layer's keys under `.layer.`, its W_mq/W_mk [d_mem, d], W_mv [d, d], W_mb [1, d] + [1]
+    beside it, `memory` [m, d]; with wrap_pos GPT-2's wpe grows by m rows."""
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(str(base_dir))
+    d, g = base.config.hidden_size, torch.Generator().manual_seed(seed)
+    state = {"memory_cell.memory": torch.randn(M, d, generator=g)}
+    n_layers = base.config.num_hidden_layers
+    for key, value in base.state_dict().items():
+        if key.startswith(layers_path + "."):
+            i, rest = key[len(layers_path) + 1:].split(".", 1)
+            key = f"{layers_path}.{i}.layer.{rest}"
+        if wrap_pos and key.endswith("wpe.weight"):
+            value = torch.cat([value, torch.randn(M, d, generator=g)])
+        state["memory_cell.model." + key] = value.clone()
+    for i in range(n_layers):
+        pre = f"memory_cell.model.{layers_path}.{i}."
+        for name, shape in (("W_mq.weight", (D_MEM, d)), ("W_mk.weight", (D_MEM, d)),
+                            ("W_mv.weight", (d, d)), ("W_mb.weight", (1, d)),
+                            ("W_mb.bias", (1,))):
+            state[pre + name] = 0.3 * torch.randn(shape, generator=g)
+    torch.save(state, path)
+    return state
+
+
+@pytest.mark.parametrize("arch,layers_path,wrap_pos", [("gpt2", "transformer.h", True),
+                                                       ("gpt2", "transformer.h", False),
+                                                       ("llama", "model.layers", False)])
+def test_an_armt_authors_checkpoint_imports_by_the_stated_map_and_exports_back_unchanged(
+        ckpt, arch, layers_path, wrap_pos, tmp_path, capsys):
+    state = armt_authors_checkpoint(ckpt[arch], layers_path, tmp_path / "armt.pt", wrap_pos)
+    assert main_import(["--format", "armt-authors", "--state-dict", str(tmp_path / "armt.pt"),
+                        "--base", str(ckpt[arch]), "--segment-size", str(L), "--out",
+                        str(tmp_path / "imp")]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    placement = "table_end" if wrap_pos else "follow"
+    assert (summary["mechanism"], summary["d_key"], summary["memory_positions"]) == (
+        "armt", D_MEM, placement)
+    model = load_model(tmp_path / "imp" / "model.safetensors")
+    cfg = model.cfg
+    assert (cfg.armt.d_key, cfg.armt.nu, cfg.armt.feature_map, cfg.armt.gate,
+            cfg.armt.carry_tokens, cfg.armt.memory_positions) == (D_MEM, 3, "dpfp", True,
+                                                                  False, placement)
+    pre = f"memory_cell.model.{layers_path}.1."
+    blk = model.associative[1]
+    for ours, theirs in ((blk.q_proj.weight, "W_mq.weight"), (blk.k_proj.weight,
+                         "W_mk.weight"), (blk.v_proj.weight, "W_mv.weight"),
+                         (blk.gate.weight, "W_mb.weight"), (blk.gate.bias, "W_mb.bias")):
+        assert torch.equal(ours, state[pre + theirs])
+    if wrap_pos:   # the memory reads the appended rows of the widened table
+        table = model.base.base_model.wpe.weight
+        assert table.shape[0] == model.base.config.n_positions == 64 + M
+        assert torch.equal(table[-M:], state["memory_cell.model.transformer.wpe.weight"][-M:])
+    assert main_export(["--model", str(tmp_path / "imp" / "model.safetensors"), "--format",
+                        "authors", "--out", str(tmp_path / "back.pt")]) == 0
+    back = read_state_dict(tmp_path / "back.pt")
+    assert set(back) == set(state)
+    for key in state:
+        torch.testing.assert_close(back[key], state[key], atol=0, rtol=0, msg=key)
+
+
+def test_armt_memory_positions_follow_the_segment_or_sit_at_the_tables_end():
+    from model.pretrained.positions import armt_position_ids
+    assert armt_position_ids(2, 3, 8).tolist() == [[0, 1, 2, 8, 9]]
+    assert armt_position_ids(2, 3, 8, placement="follow").tolist() == [[0, 1, 2, 3, 4]]
+    assert armt_position_ids(2, 3, 8, placement="table_end", table=66).tolist() == [
+        [0, 1, 2, 64, 65]]
+
+
+def test_armt_memory_positions_are_refused_where_they_cannot_hold(ckpt):
+    from model import ConfigError
+    section = hf_model_section(ckpt["llama"], M, L)
+    section.update(mechanism="armt", armt={"memory_positions": "table_end"})
+    with pytest.raises(ConfigError, match="rotary"):
+        ModelConfig.from_dict(section)
+    with pytest.raises(ConfigError, match="model.armt.memory_positions"):
+        ModelConfig(mechanism="armt", rmt={"num_mem_tokens": 2},
+                    armt={"memory_positions": "follow"})

@@ -24,7 +24,7 @@ from model.io import load_model, save_model
 
 from .config import dump_yaml, load_config
 from .export import export_checkpoint, load_weights
-from .interop import export_authors, export_peft, import_authors_rmt
+from .interop import export_authors, export_peft, import_authors
 from .run_access import load_run_config, pick_checkpoint
 from .run_dir import RunDir
 from .trainer import main_entry
@@ -114,9 +114,13 @@ def main_export(argv: list[str] | None = None) -> int:
 
 def main_import(argv: list[str] | None = None) -> int:
     p = _parser("memtrain import")
-    p.add_argument("--format", choices=["rmt-authors"], default="rmt-authors",
+    p.add_argument("--format", choices=["rmt-authors", "armt-authors"], default="rmt-authors",
                    help="rmt-authors: a state dict of the RMT authors' RecurrentWrapper or "
-                   "MemoryCell (booydar/recurrent-memory-transformer)")
+                   "MemoryCell (booydar/recurrent-memory-transformer); armt-authors: of the "
+                   "ARMT authors' AssociativeRecurrentWrapper or AssociativeMemoryCell "
+                   "(RodkinIvan/associative-recurrent-memory-transformer)")
+    p.add_argument("--no-correction", action="store_true",
+                   help="armt-authors: the model was trained with their --no_correction")
     p.add_argument("--state-dict", required=True, help=".pt/.bin/.pth or .safetensors")
     p.add_argument("--base", required=True,
                    help="the base model's checkpoint directory the authors wrapped")
@@ -125,7 +129,8 @@ def main_import(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="the model directory to write")
     args = p.parse_args(argv)
     try:
-        summary = import_authors_rmt(args.state_dict, args.base, args.segment_size, args.out)
+        summary = import_authors(args.state_dict, args.base, args.segment_size, args.out,
+                                 args.format, correction=not args.no_correction)
     except ConfigError as err:
         return invalid_config("memtrain import", err)
     except (OSError, ValueError, RuntimeError) as err:

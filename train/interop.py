@@ -25,7 +25,13 @@ from safetensors.torch import load_file, save_file
 
 from model import ModelConfig, build_model
 from model.io import save_model
-from model.pretrained.authors_format import lora_state, split_authors_state, to_authors_state
+from model.pretrained.authors_format import (
+    lora_state,
+    split_armt_authors_state,
+    split_authors_state,
+    to_armt_authors_state,
+    to_authors_state,
+)
 
 # Buffers older transformers saved in state dicts and current ones rebuild (GPT-2's causal
 # mask `attn.bias` / `attn.masked_bias`, RoPE's `inv_freq`): skipped on import, by name.
@@ -49,17 +55,25 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def import_authors_rmt(state_path: str | Path, base_dir: str | Path, segment_size: int,
-                       out: str | Path) -> dict:
-    """The RMT authors' checkpoint -> a model directory (module docstring). Every base
-    weight must be the base model's, of its shape; nothing is left behind silently."""
+def import_authors(state_path: str | Path, base_dir: str | Path, segment_size: int,
+                   out: str | Path, fmt: str = "rmt-authors", correction: bool = True) -> dict:
+    """A checkpoint of the RMT authors' wrapper (`fmt` "rmt-authors") or of the ARMT
+    authors' ("armt-authors") -> a model directory (module docstring). Every base weight
+    must be the base model's, of its shape; nothing is left behind silently."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     out, base_dir = Path(out), Path(base_dir)
     if segment_size <= 0:
         raise ValueError(f"--segment-size must be > 0, got {segment_size}")
-    base_state, memory = split_authors_state(read_state_dict(state_path))
+    state = read_state_dict(state_path)
+    assoc, d_mem, placement = {}, 0, "follow"
+    if fmt == "armt-authors":
+        base_state, memory, assoc, layers_path, d_mem = split_armt_authors_state(state)
+    else:
+        base_state, memory = split_authors_state(state)
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), local_files_only=True,
                                                 dtype=torch.float32)
+    if fmt == "armt-authors":
+        placement = _widen_position_table(base, base_state, memory.shape[0])
     skipped = sorted(k for k in base_state if k.endswith(_REBUILT_BUFFERS)
                      and k not in base.state_dict())
     for key in skipped:
@@ -78,25 +92,57 @@ def import_authors_rmt(state_path: str | Path, base_dir: str | Path, segment_siz
     with contextlib.suppress(OSError, ValueError, TypeError):   # no tokenizer: ids only
         AutoTokenizer.from_pretrained(str(base_dir), local_files_only=True).save_pretrained(
             out / "base")
-    cfg = ModelConfig.from_dict({
-        "mechanism": "rmt", "backbone": "hf", "tgt_len": segment_size, "mem_len": 0,
-        "dropout": 0.0, "rmt": {"num_mem_tokens": memory.shape[0], "pattern": "causal"},
-        "hf": {"path": str((out / "base").resolve()), "finetune": "frozen"}})
-    model = build_model(cfg)
+    section = {"mechanism": "rmt", "backbone": "hf", "tgt_len": segment_size, "mem_len": 0,
+               "dropout": 0.0, "rmt": {"num_mem_tokens": memory.shape[0], "pattern": "causal"},
+               "hf": {"path": str((out / "base").resolve()), "finetune": "frozen"}}
+    if fmt == "armt-authors":   # their AssociativeLayerWrapper: DPFP nu 3, gated writes
+        section.update(mechanism="armt", armt={
+            "d_key": d_mem, "feature_map": "dpfp", "nu": 3, "gate": True,
+            "correction": correction, "carry_tokens": False, "memory_positions": placement})
+        section["rmt"].pop("pattern")
+    model = build_model(ModelConfig.from_dict(section))
     with torch.no_grad():
         model.memory_init.value.copy_(memory)
+        if assoc:
+            model.associative.load_state_dict(
+                {k[len("associative."):]: v for k, v in assoc.items()}, strict=True)
     save_model(model, out / "model.safetensors",
-               extra={"imported_from": str(state_path), "imported_format": "rmt-authors"})
+               extra={"imported_from": str(state_path), "imported_format": fmt})
     return {"imported": str(out / "model.safetensors"), "base": str(out / "base"),
+            "format": fmt, "mechanism": section["mechanism"],
             "num_mem_tokens": memory.shape[0], "segment_size": segment_size,
-            "base_tensors": len(base_state), "skipped_buffers": skipped}
+            "base_tensors": len(base_state), "skipped_buffers": skipped,
+            **({"d_key": d_mem, "memory_positions": placement} if assoc else {})}
+
+
+def _widen_position_table(base, base_state: dict, m: int) -> str:
+    """The ARMT authors' wrap_pos appended m rows to GPT-2's learned position table for the
+    memory: give the base that table ("table_end"); otherwise their memory sits at the
+    default positions right after the segment ("follow")."""
+    emb = getattr(base.base_model, "wpe", None)
+    key = next((k for k in base_state if k.endswith("wpe.weight")), None)
+    if emb is None or key is None or base_state[key].shape[0] == emb.weight.shape[0]:
+        return "follow"
+    rows = base_state[key].shape[0]
+    if rows != emb.weight.shape[0] + m:
+        raise ValueError(f"{key} has {rows} rows; the base has {emb.weight.shape[0]} and "
+                         f"wrap_pos adds m = {m}")
+    base.base_model.wpe = torch.nn.Embedding(rows, emb.weight.shape[1])
+    base.config.n_positions = rows
+    return "table_end"
 
 
 def export_authors(model, out: str | Path) -> Path:
-    """The authors' RecurrentWrapper state dict (LoRA merged), as a torch file or
-    .safetensors by the name's suffix."""
+    """The authors' wrapper's state dict (RMT: RecurrentWrapper; ARMT:
+    AssociativeRecurrentWrapper; LoRA merged), as a torch file or .safetensors by the name's
+    suffix."""
     out = Path(out)
-    state = to_authors_state(model)
+    if model.cfg.mechanism == "armt":
+        layers = model.base.base_model.get_submodule(model.layers_name)
+        path = next(n for n, mod in model.base.named_modules() if mod is layers)
+        state = to_armt_authors_state(model, path)
+    else:
+        state = to_authors_state(model)
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".safetensors":
         # Tied weights are one tensor: safetensors wants them stored apart.

@@ -100,3 +100,84 @@ def lora_state(model) -> dict[str, torch.Tensor]:
             key = PEFT_PREFIX + name[len(BASE):].replace(ADAPTER + ".", ".")
             out[key] = p.detach().float().cpu().contiguous().clone()
     return out
+
+
+# ---------------------------------------------------------------------------------- ARMT
+# The ARMT authors' layout (RodkinIvan/associative-recurrent-memory-transformer,
+# modeling_amt/language_modeling.py): AssociativeMemoryCell(base, m, d_mem, layers_attr,
+# wrap_pos) replaces every decoder layer `<layers_attr>.i` of the base by a wrapper that
+# holds the layer as `.layer` and the associative block's projections beside it:
+#     model.<layers_attr>.i.W_mq.weight [d_mem, d]    q before phi   (memtrain q_proj)
+#     model.<layers_attr>.i.W_mk.weight [d_mem, d]    k before phi   (k_proj)
+#     model.<layers_attr>.i.W_mv.weight [d, d]        values         (v_proj)
+#     model.<layers_attr>.i.W_mb.weight [1, d], .bias [1]  the write gate beta  (gate)
+#     model.<layers_attr>.i.layer.<the layer's own keys>
+#     memory [m, d]                                   the memory tokens (memtrain memory_init)
+# under `memory_cell.` in an AssociativeRecurrentWrapper. A and z are plain attributes,
+# not in the state dict. wrap_pos (GPT-2) appends m rows to `transformer.wpe` for the
+# memory: the table then has n_positions + m rows (memtrain `memory_positions: table_end`).
+ARMT_NAMES = {"W_mq.weight": "q_proj.weight", "W_mk.weight": "k_proj.weight",
+              "W_mv.weight": "v_proj.weight", "W_mb.weight": "gate.weight",
+              "W_mb.bias": "gate.bias"}
+
+
+def split_armt_authors_state(state: dict[str, torch.Tensor]):
+    """An ARMT authors' state dict -> (base state dict, memory [m, d], memtrain's
+    `associative.*` state dict, the layers' path in the base, d_mem)."""
+    import re
+    prefix = "memory_cell." if "memory_cell.memory" in state else ""
+    if prefix + "memory" not in state:
+        raise ValueError("not an ARMT authors' checkpoint: no 'memory_cell.memory' or "
+                         f"'memory' key; keys start {sorted(state)[:5]}")
+    wrapped = [re.fullmatch(re.escape(prefix) + r"model\.(.+)\.(\d+)\.W_mq\.weight", k)
+               for k in state]
+    layers = {(m_.group(1), int(m_.group(2))) for m_ in wrapped if m_}
+    paths = {path for path, _ in layers}
+    if len(paths) != 1:
+        raise ValueError(f"not an ARMT authors' checkpoint: expected the W_mq of every layer "
+                         f"under one path, found {sorted(paths) or 'none'}")
+    path = paths.pop()
+    base, assoc, other = {}, {}, []
+    layer_re = re.compile(re.escape(f"{prefix}model.{path}.") + r"(\d+)\.(.+)")
+    for key, value in state.items():
+        if key == prefix + "memory":
+            continue
+        hit = layer_re.fullmatch(key)
+        if hit and hit.group(2) in ARMT_NAMES:
+            assoc[f"associative.{hit.group(1)}.{ARMT_NAMES[hit.group(2)]}"] = value
+        elif hit and hit.group(2).startswith("layer."):
+            base[f"{path}.{hit.group(1)}.{hit.group(2)[len('layer.'):]}"] = value
+        elif key.startswith(prefix + "model.") and not hit:
+            base[key[len(prefix + "model."):]] = value
+        else:
+            other.append(key)
+    if other:
+        raise ValueError(f"keys outside the ARMT authors' layout: {other[:8]}")
+    d_mem = state[f"{prefix}model.{path}.0.W_mq.weight"].shape[0]
+    return base, state[prefix + "memory"], assoc, path, d_mem
+
+
+def to_armt_authors_state(model, layers_path: str) -> dict[str, torch.Tensor]:
+    """PretrainedMemoryLM (ARMT) -> an AssociativeRecurrentWrapper state dict, the decoder
+    layers at `layers_path` (e.g. 'transformer.h' for GPT-2, 'model.layers' for Llama)."""
+    cfg = model.cfg
+    if cfg.mechanism != "armt" or cfg.armt.memory_positions == "fixed":
+        raise ValueError("the ARMT authors' code places the memory right after the segment "
+                         "or in the last rows of GPT-2's table: export an ARMT model with "
+                         "model.armt.memory_positions 'follow' or 'table_end' (this one: "
+                         f"{cfg.mechanism!r}, {cfg.armt.memory_positions!r})")
+    o = cfg.armt
+    if (o.feature_map, o.nu, o.gate, o.carry_tokens) != ("dpfp", 3, True, False):
+        raise ValueError("the ARMT authors' code is DPFP with nu 3, the write gate and no "
+                         "carried tokens (model.armt.feature_map/nu/gate/carry_tokens)")
+    back = {v: k for k, v in ARMT_NAMES.items()}
+    state = {"memory_cell.memory": model.memory_init().detach().float().clone()}
+    for key, value in merged_base_state(model).items():
+        if key.startswith(layers_path + "."):
+            i, rest = key[len(layers_path) + 1:].split(".", 1)
+            key = f"{layers_path}.{i}.layer.{rest}"
+        state["memory_cell.model." + key] = value
+    for name, p in model.associative.named_parameters():
+        i, rest = name.split(".", 1)
+        state[f"memory_cell.model.{layers_path}.{i}.{back[rest]}"] = p.detach().float().clone()
+    return state

@@ -32,7 +32,9 @@ under the base model's own causal mask (the memory rows, last, see every token),
     tokens 0 .. L-1
     memory T .. T+m-1,       T = max(L, tgt_len)
 
-the same rule for the write block. When L < tgt_len the positions jump from L-1 to T;
+the same rule for the write block (`model.armt.memory_positions: fixed`; "follow" puts
+the memory at L .. L+m-1 and "table_end" in the last m rows of a learned position table,
+the two placements of the ARMT authors' code). When L < tgt_len the positions jump from L-1 to T;
 transformers reads such a jump in position ids given WITHOUT an attention mask as the start
 of another packed sequence and would cut the memory off from the tokens
 (masking_utils `find_packed_sequence_indices`), so the wrapper passes an all-ones 2-D
@@ -64,9 +66,12 @@ def memory_position_ids(m: int, n_tok: int, tgt_len: int, device=None,
                       torch.arange(m + t, 2 * m + t, device=device)])[None]
 
 
-def armt_position_ids(m: int, n_tok: int, tgt_len: int, device=None) -> torch.Tensor:
-    """Position ids [1, L + m] of ARMT's [tokens | memory] (the module docstring's rule)."""
-    t = max(n_tok, tgt_len)
+def armt_position_ids(m: int, n_tok: int, tgt_len: int, device=None, placement: str = "fixed",
+                      table: int = 0) -> torch.Tensor:
+    """Position ids [1, L + m] of ARMT's [tokens | memory]: the module docstring's rule
+    ("fixed"), right after the segment ("follow"), or the last m rows of a learned table of
+    `table` rows ("table_end"); `model.armt.memory_positions`."""
+    t = {"fixed": max(n_tok, tgt_len), "follow": n_tok, "table_end": table - m}[placement]
     return torch.cat([torch.arange(0, n_tok, device=device),
                       torch.arange(t, t + m, device=device)])[None]
 

@@ -147,7 +147,9 @@ class PretrainedMemoryLM(SegmentLM):
         mem = memory_token_inputs(self.memory_init(), state, bsz, self.cfg.armt.carry_tokens,
                                   emb.dtype)
         x = torch.cat([emb, mem], dim=1)
-        positions = armt_position_ids(self.num_mem_tokens, n_tok, self.cfg.tgt_len, emb.device)
+        positions = armt_position_ids(self.num_mem_tokens, n_tok, self.cfg.tgt_len, emb.device,
+                                      self.cfg.armt.memory_positions,
+                                      self.base.config.max_position_embeddings)
         # An all-ones padding mask: the model's own causal mask, and no packed-sequence
         # split at the positions' jump (positions.py).
         ones = torch.ones(bsz, x.shape[1], dtype=torch.long, device=emb.device)
