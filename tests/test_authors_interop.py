@@ -283,3 +283,38 @@ def test_armt_memory_positions_are_refused_where_they_cannot_hold(ckpt):
     with pytest.raises(ConfigError, match="model.armt.memory_positions"):
         ModelConfig(mechanism="armt", rmt={"num_mem_tokens": 2},
                     armt={"memory_positions": "follow"})
+
+
+def test_an_import_becomes_a_run_with_max_steps_0_then_fine_tunes_from_it(
+        ckpt, tmp_path, monkeypatch):
+    """`init_from` + max_steps 0: the imported weights checkpointed, scored and exported as
+    a run (what `memtrain eval`, `generate` and `export` read); then LoRA fine-tuning starts
+    from the imported memory."""
+    from train_helpers import train_in_process
+
+    from data_pipeline.prepare import main_tasks
+    from model import ConfigError
+    from train.config import load_config
+    authors_checkpoint(ckpt["gpt2"], tmp_path / "rmt.pt")
+    assert main_import(["--state-dict", str(tmp_path / "rmt.pt"), "--base", str(ckpt["gpt2"]),
+                        "--segment-size", "3", "--out", str(tmp_path / "imp")]) == 0
+    assert main_tasks(["copy", "--src-len", "3", "--n-segments", "3", "--train-size", "64",
+                       "--valid-size", "8", "--test-size", "8", "--out",
+                       str(tmp_path / "data")]) == 0
+    imported = load_model(tmp_path / "imp" / "model.safetensors")
+    common = [f"model.hf.path={tmp_path / 'imp' / 'base'}", "model.rmt.pattern=causal",
+              f"init_from={tmp_path / 'imp' / 'model.safetensors'}",
+              f"data.path={tmp_path / 'data'}", "tracking.enabled=false", "data.global_batch=4",
+              "eval.every=0", "log_every=1"]
+    for name, extra in (("as-run", ["max_steps=0"]),
+                        ("lora", ["max_steps=2", "model.hf.finetune=lora"])):
+        cfg = load_config("copy-gpt2-hf-cpu", [*common, *extra, f"run_dir={tmp_path / name}"])
+        train_in_process(cfg, monkeypatch)
+    as_run = load_model(tmp_path / "as-run" / "model.safetensors")
+    assert torch.equal(as_run.memory_init.value, imported.memory_init.value)
+    tuned = load_model(tmp_path / "lora" / "model.safetensors")
+    assert any("lora_" in n for n, _ in tuned.named_parameters())
+    moved = (tuned.memory_init.value - imported.memory_init.value).abs().max()
+    assert 0 < moved < 0.1   # two steps from the imported memory, not from a fresh draw
+    with pytest.raises(ConfigError, match="max_steps"):
+        load_config("copy-gpt2-hf-cpu", [f"data.path={tmp_path / 'data'}", "max_steps=0"])

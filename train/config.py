@@ -250,8 +250,10 @@ def _check(cond: bool, name: str, reason: str) -> None:
 def validate(cfg: RunConfig) -> RunConfig:
     """Cross-field checks the dataclasses cannot do alone."""
     _check(bool(cfg.name) and "/" not in cfg.name, "name", "must be a non-empty name without /")
-    for name in ("max_steps", "log_every"):
-        _check(getattr(cfg, name) > 0, name, f"must be > 0, got {getattr(cfg, name)}")
+    _check(cfg.log_every > 0, "log_every", f"must be > 0, got {cfg.log_every}")
+    # 0 steps: the init_from weights checkpointed, scored and exported as a run, untrained.
+    _check(cfg.max_steps > 0 or (cfg.max_steps == 0 and bool(cfg.init_from)), "max_steps",
+           f"must be > 0 (0 only with init_from), got {cfg.max_steps}")
     for name in ("save_every", "threads"):
         _check(getattr(cfg, name) >= 0, name, f"must be >= 0, got {getattr(cfg, name)}")
     _check(cfg.keep_last >= 1, "keep_last", f"must be >= 1, got {cfg.keep_last}")
@@ -313,7 +315,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
     _check(o.schedule in SCHEDULES, "optim.schedule", f"unknown {o.schedule!r}; choose "
            f"{', '.join(SCHEDULES)}")
-    _check(0 <= o.warmup_steps < cfg.max_steps, "optim.warmup_steps",
+    _check(0 <= o.warmup_steps < max(cfg.max_steps, 1), "optim.warmup_steps",
            f"must be in [0, max_steps={cfg.max_steps}), got {o.warmup_steps}")
     _check(0 <= o.min_lr <= o.lr, "optim.min_lr", f"must be in [0, lr={o.lr}], got {o.min_lr}")
     _check(0 < o.plateau_factor < 1, "optim.plateau_factor", "must be in (0, 1)")
