@@ -43,7 +43,8 @@ def associative_layer(cfg: ModelConfig) -> AssociativeLayer:
     d_model, added to the hidden states as in the authors' code)."""
     o = cfg.armt
     return AssociativeLayer(cfg.d_model, o.d_key, feature_map=o.feature_map, nu=o.nu,
-                            use_gate=o.gate, correction=o.correction)
+                            use_gate=o.gate, correction=o.correction,
+                            authors_gamma=o.authors_gamma)
 
 
 def memory_token_inputs(memory_init: torch.Tensor, state: AssociativeMemory, bsz: int,

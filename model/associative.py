@@ -169,7 +169,7 @@ class AssociativeLayer(nn.Module):
 
     def __init__(self, d_model: int, d_key: int, d_value: int | None = None,
                  feature_map: str = "dpfp", nu: int = 3, use_gate: bool = True,
-                 correction: bool = True, eps: float = EPS):
+                 correction: bool = True, eps: float = EPS, authors_gamma: bool = False):
         super().__init__()
         self.phi = FeatureMap(feature_map, nu)
         self.d_model, self.d_key = d_model, d_key
@@ -183,6 +183,12 @@ class AssociativeLayer(nn.Module):
         self.out_proj = (None if self.d_value == d_model
                          else nn.Linear(self.d_value, d_model, bias=False))
         self.correction, self.eps = correction, eps
+        # gamma exactly as the authors' code computes it: eps in the numerator too, and 1 on
+        # a row's first write (their first-segment flag; a row is fresh while z = 0, since
+        # phi >= 0 and the first write adds every phi(k)). It differs from the formula above
+        # by eps / (|phi(k)|^2 + eps): nothing for large keys, a lot for keys near eps
+        # (docs/coming-from-authors.md has the measurement). For imported checkpoints.
+        self.authors_gamma = authors_gamma
 
     def empty_state(self, batch: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(A, z) of one layer for `batch` fresh rows, float32."""
@@ -231,7 +237,11 @@ class AssociativeLayer(nn.Module):
             beta = torch.ones(f.shape[:2], dtype=ct, device=f.device)
         num, den = self._lookup(A, z, f)
         v_old = num / (den + self.eps)[..., None]                     # vbar_i
-        if self.correction:
+        if self.correction and self.authors_gamma:
+            gamma = (1 - (den + self.eps) / (f.square().sum(-1) + self.eps)).clamp(0, 1)
+            first = (z == 0).all(-1)[:, None]
+            gamma = torch.where(first, torch.ones_like(gamma), gamma).detach()
+        elif self.correction:
             gamma = (1 - den / (f.square().sum(-1) + self.eps)).clamp(0, 1).detach()
         else:
             gamma = torch.ones_like(den)

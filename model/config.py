@@ -79,6 +79,10 @@ class ARMTOptions:
     # gamma, the normaliser's correction for a key already stored (the authors'
     # --no_correction turns it off); false: every write adds phi(k) to z.
     correction: bool = True
+    # gamma as the authors' code computes it (eps also in its numerator, 1 on a row's first
+    # write); the default drops that eps so a zero state is a fresh one with no flag
+    # (model/associative.py). `memtrain import --format armt-authors` sets it.
+    authors_gamma: bool = False
     # false (the authors'): every segment's memory tokens start from the same learned
     # vectors and only the association matrices cross the boundary; true: the write
     # outputs are also carried as the next segment's memory tokens (RMT's recurrence on

@@ -207,7 +207,8 @@ def armt_authors_checkpoint(base_dir, layers_path, path, wrap_pos, seed=0):
     """What `torch.save(AssociativeRecurrentWrapper(AssociativeMemoryCell(base, m, d_mem,
     layers_attr, wrap_pos)).state_dict())` holds, from the stated layout: every decoder
     layer's keys under `.layer.`, its W_mq/W_mk [d_mem, d], W_mv [d, d], W_mb [1, d] + [1]
-    beside it, `memory` [m, d]; with wrap_pos GPT-2's wpe grows by m rows."""
+    beside it, all of them again under the cell's `layers.` alias, `memory` [m, d]; with
+    wrap_pos GPT-2's wpe grows by m rows."""
     from transformers import AutoModelForCausalLM
     base = AutoModelForCausalLM.from_pretrained(str(base_dir))
     d, g = base.config.hidden_size, torch.Generator().manual_seed(seed)
@@ -226,6 +227,9 @@ def armt_authors_checkpoint(base_dir, layers_path, path, wrap_pos, seed=0):
                             ("W_mv.weight", (d, d)), ("W_mb.weight", (1, d)),
                             ("W_mb.bias", (1,))):
             state[pre + name] = 0.3 * torch.randn(shape, generator=g)
+    inside = f"memory_cell.model.{layers_path}."   # the cell's `layers` alias of them
+    for key in [k for k in state if k.startswith(inside)]:
+        state["memory_cell.layers." + key[len(inside):]] = state[key]
     torch.save(state, path)
     return state
 
@@ -246,8 +250,8 @@ def test_an_armt_authors_checkpoint_imports_by_the_stated_map_and_exports_back_u
     model = load_model(tmp_path / "imp" / "model.safetensors")
     cfg = model.cfg
     assert (cfg.armt.d_key, cfg.armt.nu, cfg.armt.feature_map, cfg.armt.gate,
-            cfg.armt.carry_tokens, cfg.armt.memory_positions) == (D_MEM, 3, "dpfp", True,
-                                                                  False, placement)
+            cfg.armt.carry_tokens, cfg.armt.memory_positions, cfg.armt.authors_gamma) == (
+        D_MEM, 3, "dpfp", True, False, placement, True)
     pre = f"memory_cell.model.{layers_path}.1."
     blk = model.associative[1]
     for ours, theirs in ((blk.q_proj.weight, "W_mq.weight"), (blk.k_proj.weight,
@@ -318,3 +322,26 @@ def test_an_import_becomes_a_run_with_max_steps_0_then_fine_tunes_from_it(
     assert 0 < moved < 0.1   # two steps from the imported memory, not from a fresh draw
     with pytest.raises(ConfigError, match="max_steps"):
         load_config("copy-gpt2-hf-cpu", [f"data.path={tmp_path / 'data'}", "max_steps=0"])
+
+
+def test_the_authors_gamma_is_one_on_the_first_write_then_has_eps_in_its_numerator():
+    """model.armt.authors_gamma: gamma = 1 on a row's first write, then
+    clip(1 - (phi(k)^T z + eps) / (|phi(k)|^2 + eps), 0, 1), as the authors' code does."""
+    from model.associative import EPS, AssociativeLayer, dpfp
+    torch.manual_seed(0)
+    layer = AssociativeLayer(8, 2, authors_gamma=True)
+    plain = AssociativeLayer(8, 2)
+    plain.load_state_dict(layer.state_dict())
+    mem = [1e-3 * torch.randn(1, 3, 8), 1e-3 * torch.randn(1, 3, 8)]   # keys near eps
+    A, z = layer.empty_state(1)
+    A1, z1 = layer.write(A, z, mem[0])
+    f0 = dpfp(layer.k_proj(mem[0]))
+    torch.testing.assert_close(z1, f0.sum(1))                            # gamma = 1
+    _, z2 = layer.write(A1, z1, mem[1])
+    f1 = dpfp(layer.k_proj(mem[1]))
+    den = (f1 * z1[:, None]).sum(-1)
+    gamma = (1 - (den + EPS) / (f1.square().sum(-1) + EPS)).clamp(0, 1)
+    torch.testing.assert_close(z2, z1 + (gamma[..., None] * f1).sum(1))
+    _, z2_plain = plain.write(A1, z1, mem[1])
+    # The two forms differ for such keys, relative to z itself.
+    assert (z2 - z2_plain).abs().max() > 0.1 * z2.abs().max()

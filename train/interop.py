@@ -98,7 +98,8 @@ def import_authors(state_path: str | Path, base_dir: str | Path, segment_size: i
     if fmt == "armt-authors":   # their AssociativeLayerWrapper: DPFP nu 3, gated writes
         section.update(mechanism="armt", armt={
             "d_key": d_mem, "feature_map": "dpfp", "nu": 3, "gate": True,
-            "correction": correction, "carry_tokens": False, "memory_positions": placement})
+            "correction": correction, "authors_gamma": True, "carry_tokens": False,
+            "memory_positions": placement})
         section["rmt"].pop("pattern")
     model = build_model(ModelConfig.from_dict(section))
     with torch.no_grad():

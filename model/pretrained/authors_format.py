@@ -113,7 +113,9 @@ def lora_state(model) -> dict[str, torch.Tensor]:
 #     model.<layers_attr>.i.W_mb.weight [1, d], .bias [1]  the write gate beta  (gate)
 #     model.<layers_attr>.i.layer.<the layer's own keys>
 #     memory [m, d]                                   the memory tokens (memtrain memory_init)
-# under `memory_cell.` in an AssociativeRecurrentWrapper. A and z are plain attributes,
+# under `memory_cell.` in an AssociativeRecurrentWrapper. The cell also keeps the layer list
+# as its attribute `layers`, so every wrapped layer's keys appear a second time as
+# `layers.i.*` (the same tensors). A and z are plain attributes,
 # not in the state dict. wrap_pos (GPT-2) appends m rows to `transformer.wpe` for the
 # memory: the table then has n_positions + m rows (memtrain `memory_positions: table_end`).
 ARMT_NAMES = {"W_mq.weight": "q_proj.weight", "W_mk.weight": "k_proj.weight",
@@ -142,6 +144,11 @@ def split_armt_authors_state(state: dict[str, torch.Tensor]):
     for key, value in state.items():
         if key == prefix + "memory":
             continue
+        if key.startswith(prefix + "layers."):   # the cell's alias of the wrapped layers
+            twin = f"{prefix}model.{path}.{key[len(prefix + 'layers.'):]}"
+            if twin not in state or not torch.equal(state[twin], value):
+                other.append(key)
+            continue
         hit = layer_re.fullmatch(key)
         if hit and hit.group(2) in ARMT_NAMES:
             assoc[f"associative.{hit.group(1)}.{ARMT_NAMES[hit.group(2)]}"] = value
@@ -167,6 +174,11 @@ def to_armt_authors_state(model, layers_path: str) -> dict[str, torch.Tensor]:
                          "model.armt.memory_positions 'follow' or 'table_end' (this one: "
                          f"{cfg.mechanism!r}, {cfg.armt.memory_positions!r})")
     o = cfg.armt
+    if o.correction and not o.authors_gamma:
+        import warnings
+        warnings.warn("model.armt.authors_gamma is false: the authors' code computes the "
+                      "correction gamma with eps also in its numerator, so their outputs "
+                      "differ from this model's where |phi(k)|^2 is near eps", stacklevel=2)
     if (o.feature_map, o.nu, o.gate, o.carry_tokens) != ("dpfp", 3, True, False):
         raise ValueError("the ARMT authors' code is DPFP with nu 3, the write gate and no "
                          "carried tokens (model.armt.feature_map/nu/gate/carry_tokens)")
@@ -180,4 +192,7 @@ def to_armt_authors_state(model, layers_path: str) -> dict[str, torch.Tensor]:
     for name, p in model.associative.named_parameters():
         i, rest = name.split(".", 1)
         state[f"memory_cell.model.{layers_path}.{i}.{back[rest]}"] = p.detach().float().clone()
+    inside = f"memory_cell.model.{layers_path}."
+    for key in [k for k in state if k.startswith(inside)]:
+        state["memory_cell.layers." + key[len(inside):]] = state[key]
     return state
