@@ -222,7 +222,8 @@ def decode_answer(vocab, ids: list[int], stop: str = STOP_TEXT) -> str:
 @torch.no_grad()
 def generate_answers(model, prompt: torch.Tensor, max_new: int, seg_len: int) -> torch.Tensor:
     """[B, max_new] greedy continuations of prompt [B, P], the memory carried segment by
-    segment (model/generate.py: whole segments committed, the open one re-run per token)."""
+    segment (model/generate.py: whole segments committed, the open one read per token:
+    re-run by the native stack, extended through a KV cache by a pretrained backbone)."""
     # top_k = 1 keeps only the most likely id (ties aside, which a seeded draw settles).
     gen = torch.Generator(device=prompt.device).manual_seed(0)
     out = list(stream_generate(model, prompt, max_new, top_k=1, seg_len=seg_len,
