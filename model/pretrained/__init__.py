@@ -2,6 +2,7 @@
 
     checkpoint_config.py  the shape ModelConfig reads from the checkpoint's config; how
                    the architecture encodes positions
+    incremental.py generation: the open segment read through the base model's KV cache
     loading.py     load the weights and tokenizer; freeze, or attach LoRA adapters (peft)
     positions.py   where the memory tokens sit: the position ids and attention pattern
     wrapper.py     PretrainedMemoryLM: the same (tokens, memory) -> (loss, memory) model as
