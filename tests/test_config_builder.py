@@ -21,7 +21,7 @@ from model import ConfigError, LaMemoOptions, ModelConfig, RMTOptions
 from model.typed import build_dataclass
 from train.config import PROJECT_ROOT, from_dict, load_config
 
-RMT_FIELDS = ("mem_loss_token, mem_loss_weight, memory_norm, num_mem_tokens, "
+RMT_FIELDS = ("mem_loss_token, mem_loss_weight, memory_norm, num_mem_tokens, pattern, "
               "read_mem_from_cache")
 
 
