@@ -284,6 +284,7 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
     b, m, n = rows, cfg.rmt.num_mem_tokens, cfg.tgt_len
     armt = cfg.mechanism == "armt"
     q = n + m if armt else 2 * m + n     # [tokens | memory] or [read | tokens | write]
+    no_mask = armt or cfg.rmt.pattern == "causal"     # the base model's own causal mask
     d, h, dh, inner = cfg.d_model, cfg.n_head, cfg.d_head, cfg.d_inner
     vocab, lin, t = cfg.vocab_size, f.linears, TensorShape
     g, gi = t((b, q, d)), t((b, q, inner))      # a gradient of the residual stream / the FFN
@@ -296,9 +297,9 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
         saved=(*_norm(lay, b, q, d, f.norm_trains[lay.attn_norm]),
                *_inputs(qkv, b, q, d, "qkv"),
                t((b, h, q, dh), category="qkv"),                 # q, k, v as SDPA reads them:
-               # ARMT passes no mask, so transformers lets SDPA read grouped keys and
-               # values (enable_gqa) instead of copies repeated to H heads
-               t((b, f.kv_heads if armt else h, q, dh), count=2, category="qkv")),
+               # ARMT and RMT's "causal" pattern pass no mask, so transformers lets SDPA
+               # read grouped keys and values (enable_gqa) instead of copies repeated to H
+               t((b, f.kv_heads if no_mask else h, q, dh), count=2, category="qkv")),
         alive=(g,),
         phases=((t((b, q, 3 * h * dh)), g, *_weights(qkv, d, h * dh)),   # the projections
                 _norm_backward(lay, b, q, d)),
