@@ -71,6 +71,16 @@ def _close(ours, ref):
         torch.testing.assert_close(mem, ref_mem, atol=1e-5, rtol=0)
 
 
+def _exports_back_unchanged(tmp_path, state):
+    """`memtrain export --format authors` of the import gives back the state dict it read."""
+    assert main_export(["--model", str(tmp_path / "imp" / "model.safetensors"), "--format",
+                        "authors", "--out", str(tmp_path / "back.pt")]) == 0
+    back = read_state_dict(tmp_path / "back.pt")
+    assert set(back) == set(state)
+    for key in state:
+        torch.testing.assert_close(back[key], state[key], atol=0, rtol=0, msg=key)
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_an_authors_checkpoint_imports_to_a_model_that_reproduces_their_loop(
         ckpt, arch, tmp_path, capsys):
@@ -86,12 +96,7 @@ def test_an_authors_checkpoint_imports_to_a_model_that_reproduces_their_loop(
     _close(_run(model, segs), _reference_from_state(ckpt[arch], state, segs))
 
     # ... and exports back to the same state dict (the authors' code loads it unchanged).
-    assert main_export(["--model", str(tmp_path / "imp" / "model.safetensors"), "--format",
-                        "authors", "--out", str(tmp_path / "back.pt")]) == 0
-    back = read_state_dict(tmp_path / "back.pt")
-    assert set(back) == set(state)
-    for key in state:
-        torch.testing.assert_close(back[key], state[key], atol=0, rtol=0, msg=key)
+    _exports_back_unchanged(tmp_path, state)
 
 
 def test_a_bare_memory_cell_state_dict_imports_too(ckpt, tmp_path):
@@ -262,12 +267,7 @@ def test_an_armt_authors_checkpoint_imports_by_the_stated_map_and_exports_back_u
         table = model.base.base_model.wpe.weight
         assert table.shape[0] == model.base.config.n_positions == 64 + M
         assert torch.equal(table[-M:], state["memory_cell.model.transformer.wpe.weight"][-M:])
-    assert main_export(["--model", str(tmp_path / "imp" / "model.safetensors"), "--format",
-                        "authors", "--out", str(tmp_path / "back.pt")]) == 0
-    back = read_state_dict(tmp_path / "back.pt")
-    assert set(back) == set(state)
-    for key in state:
-        torch.testing.assert_close(back[key], state[key], atol=0, rtol=0, msg=key)
+    _exports_back_unchanged(tmp_path, state)
 
 
 def test_armt_memory_positions_follow_the_segment_or_sit_at_the_tables_end():
