@@ -56,8 +56,8 @@ class RMTOptions:
     # see their whole block, tokens are causal; the native stack and the LM code); "causal":
     # the base model's own causal mask over the whole row at default positions 0..2m+L-1, as
     # the RMT authors' Hugging Face wrapper (MemoryCell) runs it; pretrained backbones only.
-    # "paper" is the default for every backbone: measured better on a pretrained model
-    # (docs/coming-from-authors.md), and what runs made before this option computed.
+    # "paper" is the default for every backbone: as good on the mean and steadier on a
+    # pretrained model (docs/coming-from-authors.md), and what earlier runs computed.
     pattern: str = "paper"
 
 
