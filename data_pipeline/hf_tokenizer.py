@@ -33,6 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from memtrain.extras import missing_extra
+
 from .bpe import LineCutVocab, safe_pieces
 from .vocab import fingerprint
 
@@ -69,6 +71,9 @@ def load_tokenizer(name: str, revision: str = "", gguf_file: str = ""):
     if revision:
         kwargs["revision"] = revision
     if gguf_file:
+        problem = missing_extra("gguf")
+        if problem:
+            raise ValueError(problem)
         kwargs["gguf_file"] = gguf_file
     try:
         return AutoTokenizer.from_pretrained(name, **kwargs)

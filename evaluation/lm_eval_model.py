@@ -48,8 +48,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from lm_eval.api.model import LM
-from lm_eval.api.registry import register_model
+
+from memtrain.extras import missing_extra
+
+try:
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+except ImportError as err:   # an optional part: pip install 'memtrain[lm-eval]'
+    raise ImportError(missing_extra("lm-eval") or str(err), name=err.name) from err
 
 from evaluation.generate_cli import load_for_generation
 from model import stream_generate

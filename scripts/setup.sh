@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates ./.venv and installs memtrain with everything it needs (CPU build of torch).
+# Creates ./.venv and installs memtrain with everything it needs, every optional extra
+# included (the tests use them all), CPU build of torch.
 # Idempotent: a stamp file keyed on this script and pyproject.toml skips the pip step
 # when nothing changed. Override the torch wheel with TORCH_SPEC (e.g. for a CUDA build).
 set -euo pipefail
@@ -26,7 +27,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "$VENV/bin/python" -m pip install --quiet "$TORCH_SPEC" deepspeed==0.19.8 \
         webdataset==1.0.2 mlflow==3.17.2 huggingface_hub transformers==5.24.0 peft==0.21.2 \
         accelerate==1.15.0 lm-eval==0.4.13 \
-        -e ".[dev]"
+        -e ".[dev,all]"
     echo "$want" > "$stamp"
 fi
 

@@ -25,7 +25,10 @@ from model import ModelConfig
 from model.recompute import parse_policy
 from model.typed import ConfigError, build_dataclass
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+# The shipped run configs and base DeepSpeed JSON, and how relative paths find them in a
+# checkout and in an installed wheel (PROJECT_ROOT: the checkout, for the tests).
+from .shipped import PROJECT_ROOT, config_file, locate_model_path, resolve_path  # noqa: F401
+
 BPTT_MODES = ("window", "sliding")
 SCHEDULES = ("cosine", "linear", "constant", "plateau", "wsd")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -368,14 +371,6 @@ def validate(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def resolve_path(path: str) -> Path:
-    """Config-relative paths resolve against the working directory, then the project root."""
-    p = Path(path)
-    if p.is_absolute() or p.exists():
-        return p
-    return PROJECT_ROOT / p
-
-
 # ----------------------------------------------------------------------------- loading
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     keys = dotted.split(".")
@@ -409,12 +404,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple = ()) -> R
     order, build the typed tree and validate it."""
     tree: dict = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            named = PROJECT_ROOT / "configs" / f"{path}.yaml"
-            if not named.is_file():
-                raise ConfigError("--config", f"no such file: {path} (nor {named})")
-            p = named
+        p = config_file(path)
         try:
             tree = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as err:
@@ -424,6 +414,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple = ()) -> R
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
+    locate_model_path(tree)
     return from_dict(tree)
 
 

@@ -13,6 +13,8 @@ import dataclasses
 import functools
 from pathlib import Path
 
+from memtrain.extras import missing_extra
+
 from ..typed import ConfigError
 
 # How each supported architecture encodes positions ("absolute": a learned table indexed
@@ -66,6 +68,9 @@ def _source(opts) -> dict:
     if opts.revision:
         kwargs["revision"] = opts.revision
     if opts.gguf_file:
+        problem = missing_extra("gguf")
+        if problem:
+            raise ConfigError("model.hf.gguf_file", problem)
         kwargs["gguf_file"] = opts.gguf_file
     return kwargs
 
@@ -74,8 +79,9 @@ def _source(opts) -> dict:
 def _hf_config(path: str, revision: str, gguf_file: str):
     from transformers import AutoConfig
     opts = type("Opts", (), {"path": path, "revision": revision, "gguf_file": gguf_file})
+    source = _source(opts)   # its ConfigError names its own field
     try:
-        return AutoConfig.from_pretrained(**_source(opts))
+        return AutoConfig.from_pretrained(**source)
     except (OSError, ValueError) as err:
         raise ConfigError("model.hf.path", f"cannot read the config of {path!r}: "
                           f"{str(err).splitlines()[0]}") from err

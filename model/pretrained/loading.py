@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from memtrain.extras import missing_extra
+
 from ..typed import ConfigError
 from .checkpoint_config import _source
 
@@ -14,9 +16,10 @@ def load_base(cfg, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # one bar per load floods every rank's log
+    source = _source(cfg.hf)   # its ConfigError names its own field
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            **_source(cfg.hf), dtype=dtype, attn_implementation=cfg.hf.attn_implementation)
+            **source, dtype=dtype, attn_implementation=cfg.hf.attn_implementation)
     except (OSError, ValueError) as err:
         raise ConfigError("model.hf.path", f"cannot load {cfg.hf.path!r}: "
                           f"{str(err).splitlines()[0]}") from err
@@ -32,6 +35,9 @@ def apply_finetune(base, opts) -> None:
     if opts.finetune == "full":
         return
     if opts.finetune == "lora":
+        problem = missing_extra("lora")
+        if problem:
+            raise ConfigError("model.hf.finetune", problem)
         from peft import LoraConfig, inject_adapter_in_model
         lora = LoraConfig(r=opts.lora_r, lora_alpha=opts.lora_alpha,
                           lora_dropout=opts.lora_dropout, bias="none",
