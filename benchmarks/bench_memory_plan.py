@@ -6,21 +6,15 @@
     .venv/bin/python benchmarks/bench_memory_plan.py --only "hf "   # pretrained backbones
     python benchmarks/bench_memory_plan.py --cuda               # on a GPU (the CUDA rows)
 
-Each row runs one BPTT window exactly as the trainer does (`train.bptt.run_window` over k+1
-segments, the bare model as the engine, one backward) on the CPU, with a full memory carried
-in (filled under no_grad first) and parameter gradients already allocated (a warm-up window),
-so that what grows is the window's own memory. Two exact byte counts, no RSS:
+Each row runs one BPTT window as the trainer does and counts two exact byte counts, no RSS
+(train/memory_probe.py `measure`): saved (the storages autograd saves during the forward;
+checkpointed segments and layers save through their own hooks, so this column is only
+shown without checkpointing) and peak (the CPU allocator's high-water mark over forward and
+backward).
 
-- saved: the storages of every tensor autograd saves during the forward
-  (`torch.autograd.graph.saved_tensors_hooks`), each storage once, parameters and storages
-  that existed before the window (the carried memory) excluded. Checkpointed segments and
-  layers save through their own hooks, so this column is only shown without checkpointing.
-- peak: the high-water mark of the bytes allocated by torch's CPU allocator between the
-  start of the forward and the end of the backward, from the profiler's allocation events
-  (`torch.profiler.profile(profile_memory=True)`, each event's size summed in time order).
-
-Predicted: `window_memory(...)` with kernel "cpu" (dropout noise in the model dtype, SDPA's
-math path), the same config, rows and window. Error = (predicted - measured) / measured.
+Predicted: planner/window.py `predict_window` with kernel "cpu" (dropout noise in the model
+dtype, SDPA's math path), the same config, rows and window.
+Error = (predicted - measured) / measured.
 
 The `hf` rows plan a pretrained backbone (model/pretrained/shapes.py) with random weights
 drawn from a config alone. --cuda runs the CUDA rows on a GPU instead: the growth of
@@ -37,175 +31,19 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
-import gc
 import json
-import math
 import os
 import sys
 import tempfile
 import time
-import warnings
 
 import torch
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from data_pipeline.streams import SegmentBatch  # noqa: E402
-from model import ModelConfig, build_model  # noqa: E402
-from model.compiled import compile_core, compiled_graphs  # noqa: E402
-from planner.activations import Dims, count_params  # noqa: E402
-from planner.window import window_memory  # noqa: E402
-from train.bptt import run_window  # noqa: E402
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _segment(cfg: ModelConfig, rows: int, gen: torch.Generator) -> SegmentBatch:
-    if cfg.cutoffs:   # the planner's assumption: Zipf-distributed word ranks
-        zipf = 1.0 / torch.arange(1, cfg.vocab_size + 1, dtype=torch.float64)
-        tokens = torch.multinomial(zipf, rows * (cfg.tgt_len + 1), replacement=True,
-                                   generator=gen).view(rows, -1)
-    else:
-        tokens = torch.randint(0, cfg.vocab_size, (rows, cfg.tgt_len + 1), generator=gen)
-    return SegmentBatch(tokens, torch.zeros(rows, dtype=torch.bool), None, 0, 0)
-
-
-def _peak_growth(prof) -> int:
-    events, todo = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while todo:
-        e = todo.pop()
-        if e.tag == _EventType.Allocation and e.extra_fields.device.type == "cpu":
-            events.append((e.start_time_ns, e.extra_fields.alloc_size))
-        todo.extend(e.children)
-    now = peak = 0
-    for _, size in sorted(events):
-        now += size
-        peak = max(peak, now)
-    return peak
-
-
-def _data_ptr(t: torch.Tensor) -> int | None:
-    """The storage address of a live tensor; None for tensors without data (the fake
-    tensors a torch.compile earlier in the process may leave behind)."""
-    try:
-        return t.untyped_storage().data_ptr()
-    except RuntimeError:
-        return None
-
-
-def _build(cfg: ModelConfig, precision: str, device: str = "cpu") -> torch.nn.Module:
-    """The model in training mode; a pretrained backbone with random weights made from its
-    checkpoint's config alone (the directory holds nothing else)."""
-    if cfg.backbone != "hf":
-        return build_model(cfg).to(device, DTYPES[precision]).train()
-    from transformers import AutoModelForCausalLM
-
-    from model.pretrained.checkpoint_config import hf_config
-    with torch.device(device):
-        base = AutoModelForCausalLM.from_config(
-            hf_config(cfg.hf), attn_implementation=cfg.hf.attn_implementation)
-        base.config.use_cache = False
-        model = build_model(cfg, base=base)
-    return model.to(device, DTYPES[precision]).train()
-
-
-def _warmed(forward, model, cfg: ModelConfig, rows: int, depth: int, window: dict,
-            gen: torch.Generator, device):
-    """The state after a full memory is carried in (filled under no_grad) and one warm-up
-    window has allocated the parameter gradients (zeroed again)."""
-    state = None
-    with torch.no_grad():   # a full memory, as in the middle of a stream
-        for _ in range(max(1, math.ceil(cfg.mem_len / cfg.tgt_len))):
-            state = run_window(forward, state, [_segment(cfg, rows, gen)], device).state
-    warm = run_window(forward, state, [_segment(cfg, rows, gen) for _ in range(depth + 1)],
-                      device, **window)
-    warm.loss.backward()
-    for p in model.parameters():
-        if p.grad is not None:   # a frozen parameter has none
-            p.grad.zero_()
-    return warm.state
-
-
-def measure_cuda(cfg: ModelConfig, rows: int, depth: int, checkpoint_segments: bool,
-                 precision: str = "bf16", seed: int = 0) -> dict:
-    """The same window on a GPU: the growth of torch.cuda.max_memory_allocated over the
-    forward and backward."""
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
-    model, dev = _build(cfg, precision, "cuda"), torch.device("cuda")
-    window = {"checkpoint_segments": checkpoint_segments}
-    state = _warmed(model, model, cfg, rows, depth, window, gen, dev)
-    gc.collect()
-    segments = [_segment(cfg, rows, gen) for _ in range(depth + 1)]
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    run_window(model, state, segments, dev, **window).loss.backward()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - before
-    del model, state
-    gc.collect()
-    torch.cuda.empty_cache()
-    return {"peak": peak}
-
-
-def measure(cfg: ModelConfig, rows: int, depth: int, checkpoint_segments: bool,
-            precision: str = "fp32", seed: int = 0, recompute: str = "full",
-            keep_last: int = 0, compiled: bool = False) -> dict:
-    """Saved-tensor bytes and peak allocation growth of one window of depth+1 segments
-    (compiled: with the decoder stack compiled as `model.compile` does)."""
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
-    model = _build(cfg, precision)
-    if compiled:
-        # A fresh compile cache per row: every model's core shares its code, so graphs of
-        # earlier rows would be reused (or count against torch.compile's graph limit).
-        torch._dynamo.reset()
-        compile_core(model)
-        graphs_before = compiled_graphs()
-
-    def forward(*args, **kwargs):
-        return model(*args, **kwargs)
-
-    window = {"checkpoint_segments": checkpoint_segments, "recompute": recompute,
-              "keep_last_segments": keep_last}
-    state = _warmed(forward, model, cfg, rows, depth, window, gen, "cpu")
-    gc.collect()
-
-    segments = [_segment(cfg, rows, gen) for _ in range(depth + 1)]
-    with warnings.catch_warnings():   # isinstance() on deprecated torch.distributed aliases
-        warnings.simplefilter("ignore", FutureWarning)
-        before = {_data_ptr(t) for t in gc.get_objects() if isinstance(t, torch.Tensor)}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in before:
-            saved[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            res = run_window(forward, state, segments, "cpu", **window)
-        res.loss.backward()
-        del res
-    out = {"saved": sum(saved.values()), "peak": _peak_growth(prof)}
-    if compiled:
-        out["graphs"] = compiled_graphs() - graphs_before
-        if not out["graphs"]:
-            raise RuntimeError("--compile: nothing was compiled")
-    return out
-
-
-def predict(cfg: ModelConfig, rows: int, depth: int, checkpoint_segments: bool,
-            precision: str = "fp32", recompute: str = "full", keep_last: int = 0,
-            kernel: str = "cpu") -> dict:
-    dims = Dims(cfg, rows, cfg.mem_len, precision, kernel=kernel)
-    w = window_memory(dims, count_params(cfg), depth + 1, checkpoint_segments, recompute,
-                      keep_last)
-    return {"saved": w.saved, "peak": w.peak}
+from model import ModelConfig  # noqa: E402
+from planner.window import predict_window  # noqa: E402
+from train.memory_probe import measure, measure_cuda  # noqa: E402
 
 
 def _small(**kw) -> dict:
@@ -276,7 +114,8 @@ CASES += [
 
 def hf_checkpoint(family: str, **shape) -> str:
     """A directory holding only the config.json of a `family` ("llama" or "gpt2") model of
-    `shape` (config fields); the rows build random weights from it (`_build`)."""
+    `shape` (config fields); the rows build random weights from it (train/memory_probe.py
+    `build_for_probe`)."""
     from transformers import GPT2Config, LlamaConfig
     name = family + "-" + "-".join(f"{k}{v}" for k, v in sorted(shape.items()))
     path = os.path.join(tempfile.gettempdir(), "memtrain-bench-hf", name)
@@ -372,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.process_time()
         got = (measure_cuda(cfg, rows, depth, ckpt, prec) if args.cuda else
                measure(cfg, rows, depth, ckpt, prec, **window))
-        want = predict(cfg, rows, depth, ckpt, prec, **window,
+        want = predict_window(cfg, rows, depth, ckpt, prec, **window,
                        kernel="cuda" if args.cuda else "cpu")
         r = {"config": label, "rows": rows, "depth": depth, "checkpoint_segments": ckpt,
              "precision": prec, **window, **{f"pred_{k}": v for k, v in want.items()},

@@ -51,14 +51,24 @@ import sys
 import tempfile
 import time
 
-import common
 import torch
-from common import add_device_args, finish, interleaved, model_dtype, status_kib, step_clock
 
-from data_pipeline.streams import SegmentBatch
-from model import ModelConfig, build_model
-from model.recompute import parse_policy
-from train.bptt import run_window
+# Run as a script, the checkout's root: `benchmarks` is a package the tests import too.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import common  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    add_device_args,
+    finish,
+    interleaved,
+    model_dtype,
+    status_kib,
+    step_clock,
+)
+from data_pipeline.streams import SegmentBatch  # noqa: E402
+from model import ModelConfig, build_model  # noqa: E402
+from model.recompute import parse_policy  # noqa: E402
+from train.bptt import run_window  # noqa: E402
 
 MODES = ("ckpt", "unroll", "base")
 

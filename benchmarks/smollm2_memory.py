@@ -49,19 +49,23 @@ import argparse
 import copy
 import importlib.util
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from common import write_json
 
-from data_pipeline.streams import SegmentBatch
-from model.config import ModelConfig
-from model.lm import build_model
-from model.pretrained.loading import load_base, load_tokenizer
-from train.bptt import run_window
+# Run as a script, the checkout's root: `benchmarks` is a package the tests import too.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import write_json  # noqa: E402
+from data_pipeline.streams import SegmentBatch  # noqa: E402
+from model.config import ModelConfig  # noqa: E402
+from model.lm import build_model  # noqa: E402
+from model.pretrained.loading import load_base, load_tokenizer  # noqa: E402
+from train.bptt import run_window  # noqa: E402
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # One-token words (checked against the tokenizer; the others are dropped) for the filler.

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,11 +25,11 @@ from train.config import RunConfig
 from train.distributed import resolve_env
 from train.evaluate import protocol_for
 from train.export import load_weights
-from train.run_access import log_to_run, pick_checkpoint
-from train.run_dir import RunDir, atomic_write_json
+from train.run_access import pick_checkpoint
 
 from .babilong import evaluate_babilong, find_folders
 from .babilong_score import is_correct
+from .eval_files import save_and_log
 from .generate_cli import DataIds
 
 # How labels are found in an answer (evaluation/babilong_score.py), as the report names it.
@@ -66,7 +65,10 @@ def run_babilong(cfg: RunConfig, checkpoint: str | None, data: str, *, tasks=Non
                   mechanism=cfg.model.mechanism, mem_len=proto.mem_len,
                   clamp_len=proto.clamp_len, matching=MATCHING[whole_words])
     print(format_table(result), flush=True)
-    path = save_and_log(cfg, result, info.step, info.tag, track)
+    curve = [(metric_name(result["split"], c["task"]), c["accuracy"], c["length"])
+             for c in result["cells"] if c["n"]]
+    path = save_and_log(cfg, result, "babilong", info.step, info.tag, track,
+                        beside=functools.partial(_table_and_heatmap, result), curve=curve)
     print(f"BABILong table written to {path} (and its .md, .png)", flush=True)
     return result
 
@@ -147,22 +149,11 @@ def plot_heatmap(result: dict, out_png: Path) -> Path:
     return out_png
 
 
+def _table_and_heatmap(result: dict, stem: Path) -> list[Path]:
+    md = Path(f"{stem}.md")
+    md.write_text(format_table(result) + "\n", encoding="utf-8")
+    return [md, plot_heatmap(result, Path(f"{stem}.png"))]
+
+
 def metric_name(split: str, task: str) -> str:
     return f"babilong_{split}_{task}"
-
-
-def save_and_log(cfg: RunConfig, result: dict, step: int, tag: str, track: bool) -> Path:
-    """JSON, markdown and heatmap into <run_dir>/eval/; metrics and files into MLflow."""
-    out_dir = RunDir(cfg.resolved_run_dir).eval_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"babilong_{tag}_{result['split']}_{time.strftime('%Y%m%d-%H%M%S')}"
-    path = atomic_write_json(out_dir / f"{stem}.json", result)
-    md = out_dir / f"{stem}.md"
-    md.write_text(format_table(result) + "\n", encoding="utf-8")
-    png = plot_heatmap(result, out_dir / f"{stem}.png")
-    if track and cfg.tracking.enabled:
-        curve = [(metric_name(result["split"], c["task"]), c["accuracy"], c["length"])
-                 for c in result["cells"] if c["n"]]
-        log_to_run(cfg, step, None, [(p, out_dir.name) for p in (path, md, png)],
-                   metric_steps=curve)
-    return path

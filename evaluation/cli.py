@@ -16,6 +16,7 @@ import argparse
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 
@@ -31,7 +32,8 @@ from train.run_access import load_run_config, log_to_run, pick_checkpoint
 from train.run_dir import RunDir, atomic_write_json
 
 from .babilong_report import run_babilong
-from .sweep import format_table, run_sweep, save_and_log, sweep_grid
+from .eval_files import save_and_log
+from .sweep import format_table, plot_sweep, run_sweep, sweep_curve, sweep_grid
 
 
 def main_eval(argv: list[str] | None = None) -> int:
@@ -168,6 +170,8 @@ def _sweep(cfg, model, manifest, points, info, env, device, track) -> dict:
     sweep.update(checkpoint=info.path.name, step=info.step)
     if env.is_main:
         print(format_table(sweep), flush=True)
-        path = save_and_log(cfg, sweep, info.step, info.tag, track)
+        path = save_and_log(cfg, sweep, "sweep", info.step, info.tag, track,
+                            beside=lambda stem: [plot_sweep(sweep, Path(f"{stem}.png"))],
+                            curve=sweep_curve(sweep))
         print(f"sweep written to {path} (and its .png)", flush=True)
     return sweep

@@ -18,7 +18,6 @@ more than the model or the data can give, the point still runs and carries a not
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -28,8 +27,6 @@ from data_pipeline.streams import TokenStream
 from model import ConfigError
 from train.config import RunConfig
 from train.evaluate import EvalProtocol, evaluate, protocol_for
-from train.run_access import log_to_run
-from train.run_dir import RunDir, atomic_write_json
 
 DEFAULT_MULTIPLES = tuple(range(1, 11))
 
@@ -163,15 +160,7 @@ def plot_sweep(sweep: dict, out_png: Path) -> Path:
     return out_png
 
 
-def save_and_log(cfg: RunConfig, sweep: dict, step: int, tag: str, track: bool) -> Path:
-    """JSON + plot into <run_dir>/eval/; curves into the run's MLflow run, x = mem_len."""
-    out_dir = RunDir(cfg.resolved_run_dir).eval_dir
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"sweep_{tag}_{sweep['split']}_{time.strftime('%Y%m%d-%H%M%S')}"
-    path = atomic_write_json(out_dir / f"{stem}.json", sweep)
-    png = plot_sweep(sweep, out_dir / f"{stem}.png")
-    if track and cfg.tracking.enabled:
-        curve = [(f"sweep_{sweep['split']}_loss_tgt{p['protocol']['tgt_len']}", p["loss"],
-                  p["protocol"]["mem_len"]) for p in sweep["points"] if "error" not in p]
-        log_to_run(cfg, step, None, [(path, out_dir.name), (png, out_dir.name)], metric_steps=curve)
-    return path
+def sweep_curve(sweep: dict) -> list[tuple[str, float, int]]:
+    """The sweep as MLflow points: one loss curve per segment length, x = mem_len."""
+    return [(f"sweep_{sweep['split']}_loss_tgt{p['protocol']['tgt_len']}", p["loss"],
+             p["protocol"]["mem_len"]) for p in sweep["points"] if "error" not in p]

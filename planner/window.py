@@ -10,7 +10,8 @@ scores); 3·[B,Q,d_inner] (FFN: CopySlices of the in-place ReLU); [V,d] (embeddi
 A parameter used again in an earlier segment (all when k >= 1, the tied embedding always)
 holds a gradient buffer in the autograd engine until its last use. Segment checkpointing
 keeps each segment's memory and outputs and recomputes one segment at a time, layer
-checkpointing the same per layer. Validated on CPU by benchmarks/bench_memory_plan.py.
+checkpointing the same per layer. Validated on CPU against train/memory_probe.py by
+benchmarks/bench_memory_plan.py and the tests.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from .activations import (
     Block,
     Dims,
     Params,
+    count_params,
     positional_bytes,
     segment_blocks,
     shapes,
@@ -114,3 +116,14 @@ def window_memory(dm: Dims, p: Params, n_segments: int, checkpoint_segments: boo
             elif blk.name == "head":   # the tied weight is used again by the embedding
                 buffers += tied_bytes(c, p) * dm.s
     return WindowMemory(saved, peak, cats, last[-1].transient)
+
+
+def predict_window(cfg, rows: int, depth: int, checkpoint_segments: bool,
+                   precision: str = "fp32", recompute: str = "full", keep_last: int = 0,
+                   kernel: str = "cpu") -> dict:
+    """{"saved", "peak"} bytes the plan gives one window of depth+1 segments of `rows` rows
+    of the model `cfg` (a ModelConfig) with a full memory: what train/memory_probe.py
+    `measure` measures, for the tests and benchmarks/bench_memory_plan.py to compare."""
+    w = window_memory(Dims(cfg, rows, cfg.mem_len, precision, kernel=kernel), count_params(cfg),
+                      depth + 1, checkpoint_segments, recompute, keep_last)
+    return {"saved": w.saved, "peak": w.peak}

@@ -352,7 +352,7 @@ def test_eval_substring_scores_labels_as_the_authors_code_does(data, tmp_path, m
     monkeypatch.setattr(report, "load_weights", lambda info, model_cfg: Stub())
     monkeypatch.setattr(report, "_fit_vocab", lambda model, manifest, path: model)
     monkeypatch.setattr(report, "evaluate_babilong", evaluate)
-    monkeypatch.setattr(report, "save_and_log", lambda *a: tmp_path / "out.json")
+    monkeypatch.setattr(report, "save_and_log", lambda *a, **k: tmp_path / "out.json")
     base = ["--run-dir", str(run_dir), "--babilong", str(data), "--no-track"]
     assert main_eval([*base, "--substring"]) == 0
     assert "labels matched as substrings" in capsys.readouterr().out

@@ -5,15 +5,11 @@ the no-memory baseline is the same checkpoint on the same tokens, and a variant 
 "POLICY+lastN" runs the window as `bptt.recompute: POLICY`, `bptt.keep_last_segments: N`
 would. Never timings."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_pretrained  # noqa: E402
-from bench_pretrained import (  # noqa: E402
+from benchmarks import bench_pretrained
+from benchmarks.bench_pretrained import (
     Runner,
     parse_args,
     parse_variant,

@@ -15,9 +15,7 @@ already put in the Inductor cache. Each test says what breaking its mechanism do
 
 from __future__ import annotations
 
-import sys
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,9 +24,7 @@ from train_helpers import V, run_train, step_losses, tiny_config
 from model import ConfigError, ModelConfig, build_model
 from model.compiled import compile_core, compiled_graphs, graph_breaks
 from train.config import load_config
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_memory_plan  # noqa: E402  (its window measurement: allocator peak)
+from train.memory_probe import measure
 
 pytestmark = pytest.mark.slow
 
@@ -272,8 +268,8 @@ def test_compiled_checkpointed_layers_keep_the_memory_saving_of_eager_checkpoint
     # still measures 1.24x (XL) and 1.53x (LaMemo) eager's peak, per layer call 0.93x.
     cfg = ModelConfig(**{**SHAPE, "mechanism": mechanism, "mem_len": MEM, **LAYERS})
     torch._dynamo.reset()
-    eager = bench_memory_plan.measure(cfg, BATCH, 1, False)["peak"]
-    compiled = bench_memory_plan.measure(cfg, BATCH, 1, False, compiled=True)
+    eager = measure(cfg, BATCH, 1, False)["peak"]
+    compiled = measure(cfg, BATCH, 1, False, compiled=True)
     assert compiled["graphs"] > 0
     assert compiled["peak"] <= 1.02 * eager
 

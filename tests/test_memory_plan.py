@@ -4,14 +4,11 @@ planner/window.py).
 ZeRO model states against hand-computed numbers and against the bytes DeepSpeed was measured
 to hold (BENCHMARKS.md, "ZeRO: model-state memory per rank"); monotonicity in k and mem_len;
 the largest-k search; the CLI's exit code when nothing fits; one tiny window measured on the
-CPU (saved-tensor bytes and peak allocation, benchmarks/bench_memory_plan.py) against the
+CPU (saved-tensor bytes and peak allocation, train/memory_probe.py) against the
 model.
 """
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -26,13 +23,9 @@ from planner.plan import (
     total_bytes,
     zero_buffers,
 )
-from planner.window import window_memory
+from planner.window import predict_window, window_memory
 from train.config import load_config
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import bench_memory_plan  # noqa: E402
+from train.memory_probe import measure
 
 PSI = 1_000_000
 
@@ -214,8 +207,8 @@ def test_activation_model_matches_measured_bytes(name, depth, ckpt):
     the model (the accuracy target), and autograd's saved tensors (bytes by storage), which the
     model counts tensor by tensor, within 1%."""
     cfg = _tiny(name)
-    got = bench_memory_plan.measure(cfg, 4, depth, ckpt)
-    want = bench_memory_plan.predict(cfg, 4, depth, ckpt)
+    got = measure(cfg, 4, depth, ckpt)
+    want = predict_window(cfg, 4, depth, ckpt)
     assert want["peak"] == pytest.approx(got["peak"], rel=0.15)
     if not ckpt:
         assert want["saved"] == pytest.approx(got["saved"], rel=0.01)

@@ -1,11 +1,8 @@
 """The planner's count of what a selective `bptt.recompute` policy keeps
 (planner/recompute.py) and of `bptt.keep_last_segments` (planner/window.py),
-against the bytes measured on the CPU (benchmarks/bench_memory_plan.py) and by hand."""
+against the bytes measured on the CPU (train/memory_probe.py) and by hand."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -13,12 +10,9 @@ from model import ModelConfig
 from planner.activations import Dims, count_params
 from planner.plan import main_plan, recompute_notes
 from planner.recompute import kept_bytes, segment_ops
-from planner.window import window_memory
+from planner.window import predict_window, window_memory
 from train.config import load_config
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import bench_memory_plan  # noqa: E402
+from train.memory_probe import measure
 
 ROWS = 4
 TINY = {
@@ -51,9 +45,9 @@ def test_the_peak_a_policy_adds_is_what_its_checkpointed_segments_keep(name, pol
     difference is the policy's own figure, so a mistake in it cannot hide in the rest."""
     cfg, depth = _tiny(name), 2
     window = {"keep_last": keep_last}
-    measured = [bench_memory_plan.measure(cfg, ROWS, depth, True, recompute=r, **window)["peak"]
+    measured = [measure(cfg, ROWS, depth, True, recompute=r, **window)["peak"]
                 for r in ("full", policy)]
-    predicted = [bench_memory_plan.predict(cfg, ROWS, depth, True, recompute=r, **window)["peak"]
+    predicted = [predict_window(cfg, ROWS, depth, True, recompute=r, **window)["peak"]
                  for r in ("full", policy)]
     grown = measured[1] - measured[0]
     assert grown > 0, (name, measured)
@@ -66,8 +60,8 @@ def test_the_peak_a_policy_adds_is_what_its_checkpointed_segments_keep(name, pol
 def test_keeping_the_last_segments_whole_matches_the_measured_peak():
     cfg = _tiny("xl")
     for keep_last in (1, 2):
-        got = bench_memory_plan.measure(cfg, ROWS, 3, True, keep_last=keep_last)["peak"]
-        want = bench_memory_plan.predict(cfg, ROWS, 3, True, keep_last=keep_last)["peak"]
+        got = measure(cfg, ROWS, 3, True, keep_last=keep_last)["peak"]
+        want = predict_window(cfg, ROWS, 3, True, keep_last=keep_last)["peak"]
         assert want == pytest.approx(got, rel=0.05), keep_last
 
 

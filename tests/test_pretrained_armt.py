@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,13 +28,11 @@ from train import trainer
 from train.bptt import run_window
 from train.config import load_config
 from train.loop import TrainingLoop
+from train.memory_probe import measure
 
 ARCHS = {"gpt2": tiny_gpt2, "llama": tiny_llama}
 EPS = 1e-5
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import bench_memory_plan  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -213,14 +210,13 @@ def test_finetune_modes_keep_the_associative_blocks_trained_and_exported(ckpt, m
                                                  ("gpt2", "full", True)])
 def test_a_planned_segment_is_what_autograd_keeps_from_the_second_segment_on(
         ckpt, arch, finetune, carry):
-    """One window of 2 segments less one of 1 (benchmarks/bench_memory_plan.py measures the
+    """One window of 2 segments less one of 1 (train/memory_probe.py measures the
     saved storages): the second segment, whose incoming state requires grad, within 0.3% of
     the stated segment (the first one is stated the same, an overcount of one state)."""
     cfg = ModelConfig.from_dict(_section(ckpt[arch], m=4, hf={"path": str(ckpt[arch]),
                                                               "finetune": finetune},
                                          armt={"carry_tokens": carry}))
-    second = (bench_memory_plan.measure(cfg, 3, 1, False)["saved"]
-              - bench_memory_plan.measure(cfg, 3, 0, False)["saved"])
+    second = measure(cfg, 3, 1, False)["saved"] - measure(cfg, 3, 0, False)["saved"]
     planned = window_memory(Dims(cfg, 3, 0, "fp32", kernel="cpu"), count_params(cfg), 2,
                             False).per_segment
     assert sum(planned.values()) == pytest.approx(second, rel=0.003)

@@ -1,6 +1,6 @@
 """`memtrain plan` for a pretrained backbone (`model.backbone: hf`): the segment shapes a
 Llama-family or GPT-2 decoder states (model/pretrained/shapes.py) against one BPTT window
-measured on the CPU (benchmarks/bench_memory_plan.py, the measurement of
+measured on the CPU (train/memory_probe.py, the measurement of
 tests/test_memory_plan.py), parameter counts made on the meta device against the built
 model, frozen weights in the ZeRO model states, and the plan of a Llama-2-7B-shaped config
 whose checkpoint directory holds only a config.json.
@@ -9,7 +9,6 @@ whose checkpoint directory holds only a config.json.
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,11 +17,10 @@ from pretrained_helpers import hf_model_section, tiny_gpt2, tiny_llama
 from model import ModelConfig, build_model
 from planner.activations import count_params
 from planner.plan import main_plan, model_states
+from planner.window import predict_window
+from train.memory_probe import measure
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import bench_memory_plan  # noqa: E402
 
 TINY = {"gpt2": tiny_gpt2, "llama": tiny_llama}
 
@@ -33,7 +31,7 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     paths = {name: make(root / name) for name, make in TINY.items()}
     # Another of the Llama family (biased q/k/v), as a config alone: the window's weights
-    # are drawn from it (bench_memory_plan `_build`).
+    # are drawn from it (train/memory_probe.py `build_for_probe`).
     Qwen2Config(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                 bos_token_id=0, eos_token_id=0).save_pretrained(root / "qwen2")
@@ -56,8 +54,8 @@ def test_planned_window_matches_the_memory_measured_on_the_cpu(checkpoints, arch
     plan (the planner's error on the native stack: -2.5% to +1.7%, BENCHMARKS.md "Memory
     planner"; its tests allow 15%) and autograd's saved tensors within 0.1%."""
     cfg = _cfg(checkpoints, arch, finetune)
-    got = bench_memory_plan.measure(cfg, 3, depth, ckpt)
-    want = bench_memory_plan.predict(cfg, 3, depth, ckpt)
+    got = measure(cfg, 3, depth, ckpt)
+    want = predict_window(cfg, 3, depth, ckpt)
     assert want["peak"] == pytest.approx(got["peak"], rel=0.03)
     if not ckpt:
         assert want["saved"] == pytest.approx(got["saved"], rel=0.001)
@@ -69,8 +67,8 @@ def test_the_causal_pattern_is_planned_without_a_mask_and_grouped_keys(checkpoin
     (counting the copies plans 8% too much here). The plan still counts a mask per SDPA
     call that this call does not have: 0.6% above autograd's saved tensors, within 1%."""
     cfg = _cfg(checkpoints, "llama", "lora", pattern="causal")
-    got = bench_memory_plan.measure(cfg, 3, 1, False)
-    want = bench_memory_plan.predict(cfg, 3, 1, False)
+    got = measure(cfg, 3, 1, False)
+    want = predict_window(cfg, 3, 1, False)
     assert want["saved"] == pytest.approx(got["saved"], rel=0.01)
     assert want["peak"] == pytest.approx(got["peak"], rel=0.03)
 

@@ -157,8 +157,8 @@ def test_run_dir_names_every_file_and_folder_of_a_run(tmp_path):
     assert run.slurm_log("%j") == run.path / "slurm-%j.out"
     assert run.submit_script("20260101-120000") == run.path / "submit-20260101-120000.sbatch"
     # The runs root's shared MLflow store, and a store of the run's own.
-    assert run.shared_store_uri == f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
-    assert run.shared_store_uri == shared_store_uri(tmp_path / "runs")
+    assert run.runs_root == tmp_path / "runs"
+    assert shared_store_uri(run.runs_root) == f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
     assert run.own_store_uri == f"sqlite:///{tmp_path / 'runs' / 'q' / 'mlflow.db'}"
     # A string path is a Path, and the value is frozen (hashable, comparable).
     assert RunDir(str(run.path)) == run and isinstance(RunDir(str(run.path)).path, Path)

@@ -4,16 +4,12 @@ in the first segment and ask for it at the start of the last, the no-memory arm 
 segments without answers because they change nothing for it, and a run trains both arms from
 one base that it leaves untouched. Never timings."""
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 from pretrained_helpers import tiny_llama
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from smollm2_memory import (  # noqa: E402
+from benchmarks.smollm2_memory import (
     CodeVocab,
     make_samples,
     model_config,
@@ -21,10 +17,9 @@ from smollm2_memory import (  # noqa: E402
     run,
     segments,
 )
-
-from model import build_model  # noqa: E402
-from model.pretrained.loading import load_base  # noqa: E402
-from train.bptt import run_window  # noqa: E402
+from model import build_model
+from model.pretrained.loading import load_base
+from train.bptt import run_window
 
 # The task's pieces as ids of the tiny vocabulary (32): digits 2..11, filler 26..31.
 VOCAB = CodeVocab(prefix=(20, 21, 22, 23, 24), period=25, digits=tuple(range(2, 12)),

@@ -3,6 +3,8 @@ the run directory, and the evaluation the loop runs between steps).
 
 Reading order, following one run (`memtrain train` -> cli.py):
     config.py       the typed run config (RunConfig), YAML + `section.field=value` overrides
+    shipped.py      the run configs shipped in configs/ (`--config quickstart`), found from
+                    a checkout and from an installed wheel alike
     trainer.py      setup on each rank: process group, data, engine, resume, tracker
     loop.py         TrainingLoop: micro-steps -> optimizer steps, the step's one host sync,
                     logging, validation, checkpoints, stop signals
@@ -16,7 +18,8 @@ Around the loop:
     curriculum.py   the segment-count curriculum for task data
 Before a run: smoke.py (`memtrain smoke`, plain PyTorch). After it: run_access.py, what
 evaluation/ reads a run through. `memtrain plan`, the GPU-memory planner, is planner/: it
-reads config.py and engine.py, and train/ never imports it.
+reads config.py and engine.py, and train/ never imports it; memory_probe.py measures what
+one BPTT window allocates, the plan's ground truth (tests, benchmarks/bench_memory_plan.py).
 
 Never imports evaluation/, compare/ or cluster/ (tests/test_package_layout.py).
 """

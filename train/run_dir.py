@@ -22,6 +22,7 @@
         submit-<time>.sbatch, slurm-<job>.out, hostfile-<job>, env-<job>.json
                                     .submit_script() ...
     <runs root>/mlflow.db, mlartifacts/             the store every run of a root shares
+                                    shared_store_uri(RunDir(...).runs_root)
 
 Files that readers may meet mid-write (status, tracking, configs) are written atomically
 (data_pipeline/atomic.py, re-exported here). `python -m train.run_dir status <run_dir>`
@@ -191,10 +192,6 @@ class RunDir:
     @property
     def runs_root(self) -> Path:
         return self.path.parent
-
-    @property
-    def shared_store_uri(self) -> str:
-        return shared_store_uri(self.runs_root)
 
     @property
     def own_store_uri(self) -> str:

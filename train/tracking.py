@@ -42,7 +42,7 @@ import warnings
 from pathlib import Path
 
 from .loss_curve import plot_loss_curve
-from .run_dir import RunDir, artifact_location, atomic_write_json, probe_server
+from .run_dir import RunDir, artifact_location, atomic_write_json, probe_server, shared_store_uri
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +92,6 @@ def _param_key(key: str) -> str:
     return re.sub(r"[^/\w.\- :]", "_", key)
 
 
-def shared_store_uri(run_dir: str | Path) -> str:
-    """The default store: one sqlite file for all runs of the runs root (run_dir's parent)."""
-    return RunDir(Path(run_dir).absolute()).shared_store_uri
-
-
 def recorded_store(run_dir: str | Path) -> str | None:
     """The sqlite store run_dir/tracking.json names, if that store exists (a run made with a
     per-run store, or by an older version that made one by default), else None."""
@@ -130,7 +125,8 @@ class Tracker:
         if not use_mlflow:  # tracking.enabled: false -> metrics.jsonl and the plot only
             return
         self.tracking_uri = (tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-                             or recorded_store(self.run_dir) or shared_store_uri(self.run_dir))
+                             or recorded_store(self.run_dir)
+                             or shared_store_uri(self.run.runs_root))
         problem = _lock_problem(self.tracking_uri)
         if problem is not None:   # sqlite would fail there, or corrupt the store: local-only
             self._no_locks(problem)
