@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 
-__all__ = ["EXTRAS", "missing_extra", "require_extra"]
+__all__ = ["EXTRAS", "missing_extra"]
 
 # extra -> (the module it provides, what needs it)
 EXTRAS: dict[str, tuple[str, str]] = {
@@ -31,9 +31,3 @@ def missing_extra(extra: str) -> str | None:
         return None
     return f"{purpose} needs the optional package {module!r}: pip install 'memtrain[{extra}]'"
 
-
-def require_extra(extra: str) -> None:
-    """ImportError naming the extra to install when its module is absent."""
-    problem = missing_extra(extra)
-    if problem is not None:
-        raise ImportError(problem, name=EXTRAS[extra][0])
