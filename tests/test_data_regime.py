@@ -4,7 +4,6 @@ curriculum, the evaluation loop, the planner's window and what the tools refuse.
 
 import numpy as np
 import pytest
-import torch
 from reference import tiny_model
 
 from data_pipeline.shard_writer import write_episode_split, write_manifest
