@@ -27,6 +27,7 @@ from data_pipeline.streams import EpisodeStream, SegmentBatch, TokenStream
 from model import ConfigError
 
 from .bptt import SampleWindows, StreamWindows, WindowPlan, run_window
+from .config import BPTTConfig, CurriculumConfig, RunConfig
 from .curriculum import NoCurriculum, SegmentCurriculum
 
 
@@ -65,22 +66,23 @@ class TokenStreamRegime(DataRegime):
               "initial memory, which the stream uses only where a document starts; lora "
               "trains how the memory is written too", file=sys.stderr, flush=True)
 
-    def train_stream(self, cfg, rank: int, world: int) -> TokenStream:
+    def train_stream(self, cfg: RunConfig, rank: int, world: int) -> TokenStream:
         d = cfg.data
         return TokenStream(self.manifest, d.train_split, d.global_batch, cfg.model.tgt_len,
                            rank, world, prefetch=d.prefetch, url_template=d.url_template or None)
 
-    def window_plan(self, bptt) -> WindowPlan:
+    def window_plan(self, bptt: BPTTConfig) -> WindowPlan:
         return StreamWindows(bptt)
 
-    def curriculum(self, cfg, stream, data_path: str) -> NoCurriculum:
+    def curriculum(self, cfg: CurriculumConfig, stream, data_path: str) -> NoCurriculum:
         return NoCurriculum(cfg, data_path)
 
     # ------------------------------------------------------------------ evaluation
     def score(self, forward, proto, rank: int, world: int, device, *, seed: int = 0,
               url_template: str | None = None, n_segments: int | None = None) -> list:
-        """[nll, tokens, 0] of this rank's rows: read as in training, the memory carried
-        from segment to segment, the first `proto.skip_segments` of every row not counted."""
+        """[nll, tokens, 0] of this rank's rows under `proto` (train/evaluate.py
+        EvalProtocol): read as in training, the memory carried from segment to segment, the
+        first `proto.skip_segments` of every row not counted."""
         stream = TokenStream(self.manifest, proto.split, proto.batch, proto.tgt_len, rank,
                              world, url_template=url_template or None)
         n_steps = stream.steps_per_epoch
@@ -156,15 +158,15 @@ class TaskSampleRegime(DataRegime):
     def warn_frozen_base(self, prog: str) -> None:
         """Every sample starts from the initial memory and writes it through the base."""
 
-    def train_stream(self, cfg, rank: int, world: int) -> EpisodeStream:
+    def train_stream(self, cfg: RunConfig, rank: int, world: int) -> EpisodeStream:
         d = cfg.data
         return EpisodeStream(self.manifest, d.train_split, d.global_batch, rank, world,
                              seed=d.seed, url_template=d.url_template or None)
 
-    def window_plan(self, bptt) -> WindowPlan:
+    def window_plan(self, bptt: BPTTConfig) -> WindowPlan:
         return SampleWindows(bptt)
 
-    def curriculum(self, cfg, stream, data_path: str) -> SegmentCurriculum:
+    def curriculum(self, cfg: CurriculumConfig, stream, data_path: str) -> SegmentCurriculum:
         return SegmentCurriculum(cfg, stream, self.manifest, data_path)
 
     # ------------------------------------------------------------------ evaluation
