@@ -255,7 +255,7 @@ def report(setup: Setup, gpu: str, nodes: int, per_node: int) -> tuple[str, bool
              f"  {nodes} x {per_node} {gpu} = {setup.world} ranks, {_gib(setup.gpu_bytes).strip()}"
              f" GiB each; {c.deepspeed.precision}; rows per rank {setup.rows} x "
              f"{m.tgt_len} tokens; mem_len {mem}; bptt.depth {k} ({b.mode}"
-             f"{'' if setup.regime.carries_memory else ', ' + setup.regime.name})"]
+             f"{setup.regime.plan_note})"]
     lines += [f"  note: {n}" for n in setup.notes]
     lines += ["", f"{'per GPU':<72}{'GiB':>9}"]
     lines += [f"  {label:<70}{_gib(v)}" for label, v in setup.static]

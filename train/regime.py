@@ -46,6 +46,7 @@ class DataRegime:
 
     name: str                 # how messages name the regime
     carries_memory: bool      # whether the memory goes on from one window to the next
+    plan_note: str            # what `memtrain plan` adds after bptt.mode in its header
 
     def __init__(self, manifest: Manifest | None = None):
         self.manifest = manifest   # None: the planner without data (planned as a stream)
@@ -54,6 +55,7 @@ class DataRegime:
 class TokenStreamRegime(DataRegime):
     name = "a token stream"
     carries_memory = True
+    plan_note = ""
 
     # ------------------------------------------------------------------ training
     def check_segments(self, tgt_len: int, data_path: str) -> None:
@@ -142,6 +144,7 @@ class TokenStreamRegime(DataRegime):
 class TaskSampleRegime(DataRegime):
     name = "task samples"
     carries_memory = False
+    plan_note = ", task samples"
 
     def __init__(self, manifest: Manifest):
         super().__init__(manifest)
