@@ -115,8 +115,8 @@ class Manifest:
     @property
     def episodic(self) -> bool:
         """Whether the data are episodes (one sample of the RMT paper's algorithmic tasks
-        per row, read with fresh memory) rather than one long token stream: the one place
-        that decides the data regime for training, curriculum and evaluation."""
+        per row, read with fresh memory) rather than one long token stream. Outside
+        data_pipeline/ only train/regime.py reads it, to build the run's data regime."""
         return self.kind == EPISODES
 
     def to_json(self) -> str:

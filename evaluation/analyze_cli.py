@@ -20,37 +20,18 @@ from pathlib import Path
 import torch
 
 from data_pipeline.shards import ShardError, load_manifest
-from data_pipeline.streams import EpisodeStream, TokenStream
 from memtrain.command_line import invalid_config
 from model import ConfigError
 from train.config import RunConfig, load_config
 from train.evaluate import protocol_for
 from train.export import load_weights
+from train.regime import regime_of
 from train.run_access import load_run_config, log_to_run, pick_checkpoint
 from train.run_dir import RunDir
 
 from .memory_plots import MemoryAnalysis
 
 PROG = "memtrain analyze"
-
-
-def _segment_source(manifest, split: str, rows: int, tgt_len: int, url_template: str):
-    """(stream, warm-up segments per row or episode, counted segments available, episodic)."""
-    if manifest.episodic:
-        stream = EpisodeStream(manifest, split, rows, shuffle=False,
-                               url_template=url_template or None)
-        return stream, stream.n_segments, stream.episodes_per_epoch, True
-    stream = TokenStream(manifest, split, rows, tgt_len, url_template=url_template or None)
-    return stream, stream.steps_per_epoch, 1, False
-
-
-def _segments(stream, episodic: bool):
-    """(SegmentBatch, index of the segment in its row or episode), in order."""
-    if episodic:
-        for episode in stream:
-            yield from ((seg, s) for s, seg in enumerate(episode))
-    else:
-        yield from ((seg, t) for t, seg in enumerate(stream))
 
 
 def analyze_run(cfg: RunConfig, checkpoint: str | None = None, split: str | None = None,
@@ -79,8 +60,9 @@ def analyze_run(cfg: RunConfig, checkpoint: str | None = None, split: str | None
     model.set_lengths(mem_len=proto.mem_len, clamp_len=proto.clamp_len,
                       same_length=proto.same_length)
 
-    stream, per_row, n_rows_or_episodes, episodic = _segment_source(
-        manifest, split, rows, proto.tgt_len, cfg.data.url_template)
+    # A stream's rows side by side, or task samples one after another (train/regime.py).
+    source, per_row, n_rows_or_episodes = regime_of(manifest).analysis_segments(
+        split, rows, proto.tgt_len, cfg.data.url_template)
     # Warm-up: only segments whose memory is full count (XL / LaMemo: ceil(M / L) segments
     # in; RMT: its memory tokens written at least once).
     warm = math.ceil(proto.mem_len / proto.tgt_len) if proto.mem_len else 0
@@ -97,7 +79,7 @@ def analyze_run(cfg: RunConfig, checkpoint: str | None = None, split: str | None
 
     analysis = MemoryAnalysis(model)
     state = None
-    for seg, index in _segments(stream, episodic):
+    for seg, index in source:
         if state is not None and bool(seg.reset.any()):
             state = state.reset_rows(seg.reset.to(device))
         tokens = seg.tokens[:, :-1].to(device)

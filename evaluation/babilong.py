@@ -42,6 +42,7 @@ from data_pipeline.shards import (
 )
 from data_pipeline.vocabs import vocab_from_dict
 from model import stream_generate
+from train.regime import regime_of
 
 # What ends an answer in a row (data_pipeline/babilong/assemble.py: the stop after the
 # answer is a newline, and the rest of the answer field repeats it).
@@ -88,8 +89,8 @@ class Cell:
 # ---------------------------------------------------------------------------- the folders
 def _read_folder(path: Path) -> LengthFolder:
     manifest = load_manifest(path)
-    info = manifest.extra.get("babilong") if isinstance(manifest.extra, dict) else None
-    if not manifest.episodic or not isinstance(info, dict):
+    info = regime_of(manifest).task_spec("babilong")   # None: not task samples
+    if not isinstance(info, dict):
         raise ValueError(f"{path} is not a BABILong length folder: its manifest holds "
                          f"{manifest.kind!r} data of {manifest.source!r} without "
                          "extra.babilong (write one with `memtrain tasks babilong`)")

@@ -22,6 +22,7 @@ from data_pipeline.vocab import fingerprint
 from memtrain.command_line import error_line
 from model import ConfigError
 from train.export import load_weights
+from train.regime import regime_of
 from train.run_access import load_run_config, log_to_run, pick_checkpoint
 
 from . import recl as R
@@ -86,8 +87,7 @@ def _run(args) -> int:
             raise ValueError(f"{cfg.resolved_run_dir} was trained on other data ("
                              f"{m.location}) than {first_cfg.resolved_run_dir} ("
                              f"{manifest.location}): RECL compares models on the same tokens")
-    if manifest.episodic:
-        raise ValueError("RECL needs a token stream; these runs train on episodic tasks")
+    regime_of(manifest).require_token_stream("RECL", "these runs train")
     tgt_len = args.tgt_len or first_cfg.eval.lengths(first_cfg.model).tgt_len
     step = args.step or tgt_len
     start = step if args.start < 0 else args.start

@@ -27,6 +27,7 @@ from data_pipeline.streams import TokenStream
 from model import ConfigError
 from train.config import RunConfig
 from train.evaluate import EvalProtocol, evaluate, protocol_for
+from train.regime import regime_of
 
 DEFAULT_MULTIPLES = tuple(range(1, 11))
 
@@ -79,9 +80,8 @@ def point_notes(proto: EvalProtocol, skip: int) -> list[str]:
 def run_sweep(cfg: RunConfig, model, manifest, points: list[tuple[int, int]],
               device: torch.device, rank: int = 0, world_size: int = 1) -> dict:
     """Score every point; returns {"points": [...], "skip_tokens", "end_tokens", ...}."""
-    if manifest.episodic:
-        raise ValueError("a memory-length sweep needs a token stream; this run trains on "
-                         "episodic task samples (score it with `memtrain eval`)")
+    regime_of(manifest).require_token_stream(
+        "a memory-length sweep", hint="; score it with `memtrain eval`")
     base = protocol_for(cfg)
     row_len = TokenStream(manifest, base.split, base.batch, min(t for t, _ in points), 0,
                           1, url_template=cfg.data.url_template or None).stream_len

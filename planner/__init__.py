@@ -7,6 +7,7 @@
     window.py       the peak of one window, walked block by block through the backward
     recompute.py    what a checkpointed segment keeps under a selective bptt.recompute
 
-Reads model/, data_pipeline/ (the manifest: task episodes or a token stream) and train/'s run
-config and ds-config rendering; train/ never imports it (tests/test_package_layout.py).
+Reads model/, data_pipeline/, and train/'s run config, ds-config rendering and data regime
+(train/regime.py: the manifest's token stream or task samples, and the windows each trains
+on); train/ never imports it (tests/test_package_layout.py).
 """

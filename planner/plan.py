@@ -35,6 +35,7 @@ from memtrain.command_line import CommandParser, invalid_config
 from model import ConfigError
 from train.config import RunConfig, load_config
 from train.engine import build_ds_config, zero_stage
+from train.regime import DataRegime, TokenStreamRegime, regime_of
 
 from .activations import Dims, Params, count_params, shapes, state_bytes
 from .recompute import kept_bytes
@@ -124,18 +125,15 @@ class Setup:
     margin: float
     params: Params
     static: list[tuple[str, float]]      # model states and buffers
-    episodes: tuple[int, int] | None     # (task positions, task segments) for task data
+    regime: DataRegime                   # the data's: the window, what memory it carries
     notes: list[str]
 
 
 def _window(setup: Setup, depth: int, mem_len: int, seg_ckpt: bool, layer_ckpt: bool):
-    """(carried state bytes, WindowMemory) of the run at this depth and mem_len; task data:
-    the largest over the curriculum stages (fewer, longer segments first)."""
+    """(carried state bytes, WindowMemory) of the run at this depth and mem_len: the largest
+    over the windows the data regime trains on (task data: every curriculum stage)."""
     c, b = setup.cfg, setup.cfg.bptt
-    stages = [(c.model.tgt_len, depth + 1)]
-    if setup.episodes:
-        positions, task_segs = setup.episodes
-        stages = [(positions // n, n) for n in (c.curriculum.segments or [task_segs])]
+    stages = setup.regime.planned_windows(c.model.tgt_len, depth, c.curriculum.segments)
     best = None
     for seg_len, n_seg in stages:
         mc = dataclasses.replace(c.model, tgt_len=seg_len, mem_len=mem_len,
@@ -143,8 +141,8 @@ def _window(setup: Setup, depth: int, mem_len: int, seg_ckpt: bool, layer_ckpt: 
         dims = Dims(mc, setup.rows, mem_len, c.deepspeed.precision, "cuda")
         w = window_memory(dims, setup.params, n_seg, seg_ckpt, b.recompute,
                           b.keep_last_segments)
-        carried = 0.0 if setup.episodes else state_bytes(dims) * (
-            depth + 1 if b.mode == "sliding" else 1)
+        n_states = setup.regime.carried_states(b.mode, depth)
+        carried = state_bytes(dims) * n_states if n_states else 0.0
         if best is None or carried + w.peak > best[0] + best[1].peak:
             best = (carried, w)
     return best
@@ -172,18 +170,15 @@ def largest(fits, lo: int) -> int | None:
     return lo
 
 
-def task_episodes(cfg: RunConfig, notes: list[str]) -> tuple[int, int] | None:
-    """The data regime, read here once from the manifest (`Manifest.episodic`): (positions,
-    segments) of a task sample for episodes (a window is then the whole sample, the memory
-    starts fresh), None for a token stream (also when there is no manifest, with a note)."""
+def data_regime(cfg: RunConfig, notes: list[str]) -> DataRegime:
+    """The data regime of the run's manifest (train/regime.py): its windows, and whether
+    memory is carried between them; a token stream when there is no manifest (with a note)."""
     try:
-        m = load_manifest(cfg.data.path)
-        if m.episodic:
-            return m.chunk_tokens - 1, int(m.extra["n_segments"])
+        return regime_of(load_manifest(cfg.data.path))
     except (ShardError, OSError, KeyError, ValueError):
         notes.append(f"no manifest at {cfg.data.path}: planned as a token stream (for task "
                      "data a window is the whole sample)")
-    return None
+    return TokenStreamRegime()
 
 
 def setup_for(cfg: RunConfig, gpu_mib: float, nodes: int, per_node: int,
@@ -203,7 +198,7 @@ def setup_for(cfg: RunConfig, gpu_mib: float, nodes: int, per_node: int,
                                            frozen=params.frozen)]
     extra = ", prefetch, gathered tensor" if stage == 3 else ""
     static.append((f"ZeRO-{stage} buffers (reduce bucket{extra})", zero_buffers(ds, prec, params)))
-    episodes = task_episodes(cfg, notes)
+    regime = data_regime(cfg, notes)
     if prec == "fp32":
         notes.append("deepspeed.precision is fp32: bf16 (A100/H100) or fp16 (V100) halves "
                      "activations and model states")
@@ -216,7 +211,7 @@ def setup_for(cfg: RunConfig, gpu_mib: float, nodes: int, per_node: int,
                      "(BENCHMARKS.md, \"Memory planner\")")
     notes += recompute_notes(cfg)
     return Setup(cfg, world, rows, gpu_mib * 2 ** 20, margin_gib * GIB, params, static,
-                 episodes, notes)
+                 regime, notes)
 
 
 def recompute_notes(cfg: RunConfig) -> list[str]:
@@ -233,8 +228,8 @@ def recompute_notes(cfg: RunConfig) -> list[str]:
 
 def state_shape(setup: Setup, mem: int) -> str:
     """What the carried memory holds, as shapes (the mechanism's `segment_shapes`)."""
-    if setup.episodes:
-        return "none (task samples start fresh)"
+    if not setup.regime.carries_memory:
+        return f"none ({setup.regime.name} start fresh)"
     return shapes(Dims(setup.cfg.model, setup.rows, mem)).state_text
 
 
@@ -260,11 +255,12 @@ def report(setup: Setup, gpu: str, nodes: int, per_node: int) -> tuple[str, bool
              f"  {nodes} x {per_node} {gpu} = {setup.world} ranks, {_gib(setup.gpu_bytes).strip()}"
              f" GiB each; {c.deepspeed.precision}; rows per rank {setup.rows} x "
              f"{m.tgt_len} tokens; mem_len {mem}; bptt.depth {k} ({b.mode}"
-             f"{', task samples' if setup.episodes else ''})"]
+             f"{setup.regime.plan_note})"]
     lines += [f"  note: {n}" for n in setup.notes]
     lines += ["", f"{'per GPU':<72}{'GiB':>9}"]
     lines += [f"  {label:<70}{_gib(v)}" for label, v in setup.static]
-    times = f" x {k + 1} (sliding history)" if b.mode == "sliding" and not setup.episodes else ""
+    n_states = setup.regime.carried_states(b.mode, k)
+    times = f" x {n_states} (sliding history)" if b.mode == "sliding" and n_states else ""
     lines.append(f"  {'memory state carried between windows' + times:<70}{_gib(carried)}")
     lines.append(f"      {state_shape(setup, mem)}")
     lines.append(f"  {'activations of one window (peak, configured checkpointing)':<70}"
@@ -292,10 +288,10 @@ def report(setup: Setup, gpu: str, nodes: int, per_node: int) -> tuple[str, bool
     lines += [f"  {name:<70}{_gib(_window(setup, k, mem, *sl)[1].peak)}"
               + ("   (configured)" if sl == (seg, lay) else "") for name, sl in modes.items()]
     lines.append("")
-    if setup.episodes:
-        lines.append(f"  largest bptt.depth: not applicable (task data: a window is the whole "
-                     f"sample, {setup.episodes[1]} segments)")
-    for s_ in () if setup.episodes else (False, True):
+    fixed = setup.regime.fixed_window
+    if fixed:
+        lines.append(f"  largest bptt.depth: not applicable ({fixed})")
+    for s_ in () if fixed else (False, True):
         fit_k = largest(lambda d, s_=s_: total_bytes(setup, d, mem, s_, lay) <= setup.gpu_bytes,
                         0)
         lines.append(f"  largest bptt.depth that fits, checkpoint_segments {str(s_).lower()}: "
@@ -349,9 +345,10 @@ def main_plan(argv: list[str] | None = None) -> int:
     if fits:
         return 0
     b, m = cfg.bptt, cfg.model
-    if setup.episodes or total_bytes(setup, 0, m.mem_len, b.checkpoint_segments,
-                                     m.checkpoint_layers) > setup.gpu_bytes:
-        what = "its window" if setup.episodes else "bptt.depth=0"
+    fixed = setup.regime.fixed_window
+    if fixed or total_bytes(setup, 0, m.mem_len, b.checkpoint_segments,
+                            m.checkpoint_layers) > setup.gpu_bytes:
+        what = "its window" if fixed else "bptt.depth=0"
         print(f"memtrain plan: {cfg.name} does not fit on {gpu} even at {what}: fewer rows "
               f"per rank (data.global_batch or more ranks), a smaller model.mem_len, "
               f"checkpointing, a higher ZeRO stage or bf16/fp16 would reduce it",

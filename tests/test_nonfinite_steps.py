@@ -15,7 +15,7 @@ import torch
 
 from data_pipeline.streams import SegmentBatch
 from model import build_model
-from train.bptt import TrainState, WindowPlan
+from train.bptt import StreamWindows, TrainState
 from train.config import ConfigError, from_dict
 from train.loop import LoopParts, NonFiniteLoss, TrainingLoop
 
@@ -64,7 +64,7 @@ def make_loop(poison=(), mode="window", depth=0, limit=10, precision="fp16"):
     engine = FakeEngine(build_model(cfg.model).eval(), poison)
     # Only what _micro_step reads: no stream, tracker or checkpoints.
     return TrainingLoop(LoopParts(
-        cfg=cfg, engine=engine, state=TrainState(plan=WindowPlan(cfg.bptt, episodic=False)),
+        cfg=cfg, engine=engine, state=TrainState(plan=StreamWindows(cfg.bptt)),
         device=torch.device("cpu"), stage=1,
         signals=type("NoSignal", (), {"received": None})()))
 

@@ -2,7 +2,7 @@
 
     model, data_pipeline  <-  train  <-  evaluation
                                      <-  cluster  (launches train; reads its run directory)
-    model, data_pipeline, train's run config and ds-config rendering  <-  planner
+    model, data_pipeline, train's run config, ds-config rendering and data regime  <-  planner
         (`memtrain plan`; train/ never imports it)
     compare: reads MLflow; of train/ only the run directory's layout (train/run_dir.py)
     memtrain: the dispatcher; names subcommand modules as strings, imports none of them
@@ -21,8 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("memtrain", "model", "data_pipeline", "train", "planner", "evaluation", "compare",
             "cluster")
 # What planner/ reads beyond model/ and data_pipeline/: the run config, the ZeRO section of
-# the DeepSpeed config, and the command-line conventions every subcommand shares.
-PLANNER_READS = {"train.config", "train.engine", "memtrain.command_line"}
+# the DeepSpeed config, the data regime (the window a run trains on), and the command-line
+# conventions every subcommand shares.
+PLANNER_READS = {"train.config", "train.engine", "train.regime", "memtrain.command_line"}
 HEAVY = {"torch", "deepspeed"}  # what compare/ must not pull in (README: no training stack)
 
 

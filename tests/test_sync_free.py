@@ -30,7 +30,7 @@ import torch
 from data_pipeline.streams import SegmentBatch
 from model import build_model
 from model.adaptive import AdaptiveEmbedding, AdaptiveSoftmax
-from train.bptt import TrainState, WindowPlan
+from train.bptt import StreamWindows, TrainState
 from train.config import from_dict
 from train.loop import LoopParts, TrainingLoop
 
@@ -165,7 +165,7 @@ def make_loop(mechanism: str, *, steps: int, log_every: int, grad_accum: int = 1
     curriculum.metrics = dict
     loop = TrainingLoop(LoopParts(
         cfg=cfg, engine=FakeEngine(build_model(cfg.model), grad_accum),
-        state=TrainState(plan=WindowPlan(cfg.bptt, episodic=False)),
+        state=TrainState(plan=StreamWindows(cfg.bptt)),
         device=torch.device("cpu"), stage=0,  # 0: the loop computes the grad norm itself
         env=type("Env", (), {"is_main": False, "rank": 0})(),
         schedule=type("Schedule", (), {"get_last_lr": lambda self: [1e-3]})(),

@@ -15,11 +15,14 @@ Around the loop:
     checkpoint.py, resume.py, export.py   save, load (also on another world size), safetensors
     run_dir.py      every file a run directory keeps; tracking.py, loss_curve.py, progress.py
     evaluate.py     scoring under a stated protocol (valid during training, the final report)
+    regime.py       the data regime (token stream or task samples), decided once from the
+                    manifest: the stream, window plan, curriculum and evaluation loop it gives
     curriculum.py   the segment-count curriculum for task data
 Before a run: smoke.py (`memtrain smoke`, plain PyTorch). After it: run_access.py, what
 evaluation/ reads a run through. `memtrain plan`, the GPU-memory planner, is planner/: it
-reads config.py and engine.py, and train/ never imports it; memory_probe.py measures what
-one BPTT window allocates, the plan's ground truth (tests, benchmarks/bench_memory_plan.py).
+reads config.py, engine.py and regime.py, and train/ never imports it; memory_probe.py
+measures what one BPTT window allocates, the plan's ground truth (tests,
+benchmarks/bench_memory_plan.py).
 
 Never imports evaluation/, compare/ or cluster/ (tests/test_package_layout.py).
 """

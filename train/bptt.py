@@ -15,12 +15,13 @@ Two ways to cut the stream into windows (`bptt.mode`):
              oldest of them was new, then the new segment; only the new segment's loss counts
              (unless loss_on_rerun), and every loss reaches k segments back (RMT LM code).
 
-Task samples (episodic data) are a third plan: one whole sample per micro-step, fresh
-memory, BPTT through its last k+1 segments (all of them when k >= n_segments - 1).
+Task samples are a third plan: one whole sample per micro-step, fresh memory, BPTT through
+its last k+1 segments (all of them when k >= n_segments - 1).
 
-`WindowPlan` is built once from the BPTT config and the data regime and is the only place
-that knows them: it hands the loop the next window, says what memory to carry after the
-step, and owns its resumable state (the sliding history, with its depth checked on load).
+A `WindowPlan` (`StreamWindows` or `SampleWindows`) is built once from the BPTT config by the
+data regime (train/regime.py) and is the only place that knows them: it hands the loop the
+next window, says what memory to carry after the step, and owns its resumable state (the
+sliding history, with its depth checked on load).
 `run_window` runs a window; `SlidingHistory` keeps the saved inputs and memories.
 """
 
@@ -54,7 +55,7 @@ def run_window(forward, state: MemoryState | None, segments: list[SegmentBatch],
     """Thread the memory through `segments`; sum the losses of the `counted` ones.
 
     forward(tokens, state, targets=, loss_mask=, checkpoint_segment=) is the engine (or the
-    bare model). `detach_before` holds segment indices where the memory is cut (episodic
+    bare model). `detach_before` holds segment indices where the memory is cut (task
     samples longer than k+1 segments). The state entering the window is always detached:
     the previous window's graph has been freed by its backward. `score` also counts
     teacher-forced correct predictions (task accuracy; needs the full log-probabilities).
@@ -212,38 +213,26 @@ class Window:
 
 
 class WindowPlan:
-    """How the stream is cut into BPTT windows, decided once from `bptt.*` and the data.
+    """How the data are cut into BPTT windows, decided once from `bptt.*` by the data regime
+    (train/regime.py gives `StreamWindows` or `SampleWindows`):
 
-        plan = WindowPlan(cfg.bptt, episodic=manifest.episodic)
+        plan = regime.window_plan(cfg.bptt)
         window = plan.next_window(batches, memory)     # before the step
         memory = plan.after_step(window, result)       # the memory to carry on
     """
 
-    def __init__(self, bptt, episodic: bool):
-        if episodic and bptt.mode == "sliding":
-            raise ConfigError("bptt.mode", "sliding applies to token streams; task samples "
-                              "run BPTT through the sample (bptt.depth limits it)")
+    kind: str                   # "window", "sliding" or "episodes"
+
+    def __init__(self, bptt, history_depth: int = 0):
         self.depth, self.loss_on_rerun = bptt.depth, bptt.loss_on_rerun
-        self.kind = "episodes" if episodic else bptt.mode
-        self.history = SlidingHistory(self.depth if self.kind == "sliding" else 0)
+        self.history = SlidingHistory(history_depth)
 
     def next_window(self, batches: Iterator, memory: MemoryState | None) -> Window:
-        if self.kind == "episodes":  # fresh memory, windows aligned to the sample's end
-            segs = next(batches)
-            return Window(None, segs, cuts=episode_cuts(len(segs), self.depth))
-        if self.kind == "window":
-            return Window(memory, [next(batches) for _ in range(self.depth + 1)])
-        new = next(batches)
-        start, segs = self.history.window(new, memory)
-        return Window(start, segs, [self.loss_on_rerun] * (len(segs) - 1) + [True])
+        raise NotImplementedError
 
     def after_step(self, window: Window, result: WindowResult) -> MemoryState | None:
         """The memory the next window starts from (None: each sample starts fresh)."""
-        if self.kind == "episodes":
-            return None
-        if self.kind == "sliding":
-            self.history.push(window.segments[-1], result.state_before_last)
-        return result.state
+        raise NotImplementedError
 
     def after_nonfinite(self) -> MemoryState | None:
         """The memory to carry after a window whose loss was NaN/Inf (a step fp16 loss
@@ -260,6 +249,46 @@ class WindowPlan:
 
     def load_state_dict(self, data: dict, device: torch.device) -> None:
         self.history.load_state_dict(data, device)
+
+
+class StreamWindows(WindowPlan):
+    """A token stream's windows, `bptt.mode` window or sliding; the memory carries on."""
+
+    def __init__(self, bptt):
+        super().__init__(bptt, bptt.depth if bptt.mode == "sliding" else 0)
+        self.kind = bptt.mode
+
+    def next_window(self, batches: Iterator, memory: MemoryState | None) -> Window:
+        if self.kind == "window":
+            return Window(memory, [next(batches) for _ in range(self.depth + 1)])
+        new = next(batches)
+        start, segs = self.history.window(new, memory)
+        return Window(start, segs, [self.loss_on_rerun] * (len(segs) - 1) + [True])
+
+    def after_step(self, window: Window, result: WindowResult) -> MemoryState | None:
+        if self.kind == "sliding":
+            self.history.push(window.segments[-1], result.state_before_last)
+        return result.state
+
+
+class SampleWindows(WindowPlan):
+    """Task samples: one whole sample per window, fresh memory, the cuts aligned to the
+    sample's end (`episode_cuts`)."""
+
+    kind = "episodes"
+
+    def __init__(self, bptt):
+        if bptt.mode == "sliding":
+            raise ConfigError("bptt.mode", "sliding applies to token streams; task samples "
+                              "run BPTT through the sample (bptt.depth limits it)")
+        super().__init__(bptt)
+
+    def next_window(self, batches: Iterator, memory: MemoryState | None) -> Window:
+        segs = next(batches)
+        return Window(None, segs, cuts=episode_cuts(len(segs), self.depth))
+
+    def after_step(self, window: Window, result: WindowResult) -> MemoryState | None:
+        return None
 
 
 @dataclass

@@ -18,16 +18,37 @@ from model import ConfigError
 from .config import CurriculumConfig
 
 
+class NoCurriculum:
+    """A token stream's: one segment length throughout, nothing to advance."""
+
+    segments = None   # validation scores the stream as it is
+
+    def __init__(self, cfg: CurriculumConfig, data_path: str):
+        if cfg.segments:
+            raise ConfigError("curriculum.segments", f"a segment curriculum needs task data "
+                              f"(memtrain tasks); {data_path} holds a token stream")
+
+    def start(self, resumed: bool) -> None:
+        pass
+
+    def metrics(self) -> dict:
+        return {}
+
+    def after_step(self, step: int) -> int | None:
+        return None
+
+    def after_validation(self, accuracy: float | None) -> int | None:
+        return None
+
+
 class SegmentCurriculum:
+    """Task samples': the stages of `curriculum.segments` (none: the task's own count)."""
+
     def __init__(self, cfg: CurriculumConfig, stream, manifest, data_path: str):
         self.cfg, self.stream = cfg, stream
-        self.episodic = manifest.episodic
         self.stages = list(cfg.segments)
         if not self.stages:
             return
-        if not self.episodic:
-            raise ConfigError("curriculum.segments", f"a segment curriculum needs task data "
-                              f"(memtrain tasks); {data_path} holds a token stream")
         n_task = int(manifest.extra["n_segments"])
         positions = manifest.chunk_tokens - 1
         if self.stages[-1] != n_task:
@@ -58,11 +79,11 @@ class SegmentCurriculum:
 
     @property
     def segments(self) -> int | None:
-        """Segments per sample now (what validation scores); None on token streams."""
-        return self.stream.n_segments if self.episodic else None
+        """Segments per sample now (what validation scores)."""
+        return self.stream.n_segments
 
     def metrics(self) -> dict:
-        return {"curriculum_segments": self.stream.n_segments} if self.episodic else {}
+        return {"curriculum_segments": self.stream.n_segments}
 
     def after_step(self, step: int) -> int | None:
         """The new segment count if the stage advances after this step, else None."""

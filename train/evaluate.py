@@ -5,7 +5,9 @@ tgt_len, a much longer mem_len, clamp_len, same_length), so every number leaves 
 protocol that produced it. Streams are read exactly as in training (contiguous rows, memory
 carried from segment to segment); the first `skip_segments` of every row can be left out of
 the score so that each counted token has a full memory behind it. Rows are split across
-ranks and the sums all-reduced, so the result does not depend on the world size.
+ranks and the sums all-reduced, so the result does not depend on the world size. Task
+samples are scored sample by sample from fresh memory, with their answer accuracy; both loops
+are the data regime's (train/regime.py).
 """
 
 from __future__ import annotations
@@ -17,13 +19,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 from data_pipeline.shards import Manifest
-from data_pipeline.streams import EpisodeStream, TokenStream
 from model import bits_per_token
 from model.pretrained.checkpoint_config import check_segment_positions
 
-from .bptt import run_window
 from .config import EvalConfig, RunConfig
 from .distributed import all_reduce_sum
+from .regime import regime_of
 
 # Character-level vocabularies report bits per character, word-level ones perplexity.
 _CHAR_VOCABS = ("bytes", "symbols", "chars")
@@ -90,18 +91,16 @@ def evaluate(forward, model, manifest: Manifest, proto: EvalProtocol, rank: int,
     """Score `proto.split`. `forward` is the engine (ZeRO-3 gathers parameters in its hooks)
     or the bare model; `model` is the module whose lengths are switched for the protocol.
     n_segments: cut task samples into this many segments (a curriculum stage) instead of the
-    task's own count."""
+    task's own count. How the split is read and scored is its data regime's
+    (train/regime.py)."""
+    regime = regime_of(manifest)
     was_training = model.training
     model.eval()
     start = time.perf_counter()
     try:
         with model.using_lengths(proto.mem_len, proto.clamp_len, proto.same_length):
-            if manifest.episodic:
-                sums = _episodes(forward, manifest, proto, rank, world_size, device, seed,
-                                 url_template, n_segments)
-            else:
-                sums = _stream(forward, manifest, proto, rank, world_size, device,
-                               url_template)
+            sums = regime.score(forward, proto, rank, world_size, device, seed=seed,
+                                url_template=url_template, n_segments=n_segments)
     finally:
         model.train(was_training)
     nll, n, correct = all_reduce_sum(sums, device)
@@ -111,46 +110,6 @@ def evaluate(forward, model, manifest: Manifest, proto: EvalProtocol, rank: int,
               "metric": "bpc" if manifest.vocab.get("kind") in _CHAR_VOCABS else "ppl",
               "seconds": time.perf_counter() - start, "protocol": asdict(proto),
               "protocol_text": proto.describe()}
-    if manifest.episodic:
-        report["accuracy"] = correct / max(n, 1)
-        report["metric"] = "accuracy"
+    report.update(regime.task_metrics(correct, n))
     return report
 
-
-def _stream(forward, manifest, proto, rank, world_size, device, url_template):
-    stream = TokenStream(manifest, proto.split, proto.batch, proto.tgt_len, rank, world_size,
-                         url_template=url_template or None)
-    n_steps = stream.steps_per_epoch
-    if proto.max_segments:
-        n_steps = min(n_steps, proto.max_segments)
-    if proto.skip_segments >= n_steps:
-        raise ValueError(f"eval: skipping {proto.skip_segments} segments leaves nothing of "
-                         f"the {n_steps} segments per row of {proto.split!r}")
-    state, nll, n = None, 0.0, 0
-    for t, seg in zip(range(n_steps), stream, strict=False):
-        res = run_window(forward, state, [seg], device)
-        state = res.state if proto.carry_memory else None
-        if t >= proto.skip_segments:
-            nll += float(res.nll_sum)
-            n += int(res.n_tokens)
-    return [nll, n, 0]
-
-
-def _episodes(forward, manifest, proto, rank, world_size, device, seed, url_template,
-              n_segments):
-    stream = EpisodeStream(manifest, proto.split, proto.batch, rank, world_size, seed=seed,
-                           shuffle=False, url_template=url_template or None,
-                           n_segments=n_segments)
-    n_batches = stream.episodes_per_epoch
-    if proto.max_segments:
-        n_batches = min(n_batches, max(1, proto.max_segments // stream.n_segments))
-    nll, n, correct = 0.0, 0, 0
-    for _, segs in zip(range(n_batches), stream, strict=False):
-        if not proto.carry_memory:  # the memory switched off: every segment starts fresh
-            for seg in segs:
-                seg.reset[:] = True
-        res = run_window(forward, None, segs, device, score=True)
-        nll += float(res.nll_sum)
-        n += int(res.n_tokens)
-        correct += int(res.correct)
-    return [nll, n, correct]

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
     from .bptt import TrainState
     from .config import RunConfig
-    from .curriculum import SegmentCurriculum
+    from .curriculum import NoCurriculum, SegmentCurriculum
     from .tracking import Tracker
 
 
@@ -76,7 +76,7 @@ class LoopParts:
     manifest: Manifest | None = None      # the data, for the evaluations
     tracker: Tracker | None = None
     ckpt_root: Path | None = None         # RunDir.checkpoints
-    curriculum: SegmentCurriculum | None = None
+    curriculum: SegmentCurriculum | NoCurriculum | None = None   # the data regime's
     signals: Any = None                   # None: StopSignal() (SIGTERM, SIGUSR1 handlers)
 
 

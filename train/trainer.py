@@ -6,7 +6,6 @@ rank; `main_entry` turns its errors into exit codes for `memtrain train`.
 from __future__ import annotations
 
 import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import torch
 
 from data_pipeline.hf_tokenizer import HFVocab
 from data_pipeline.shards import MANIFEST, Manifest, ShardError, load_manifest
-from data_pipeline.streams import EpisodeStream, LayoutError, TokenStream, rows_of_rank
+from data_pipeline.streams import LayoutError, rows_of_rank
 from data_pipeline.synthetic import write_repeat_corpus
 from memtrain.command_line import error_line
 from model import ConfigError
@@ -23,7 +22,6 @@ from model.io import load_initial
 from . import checkpoint as ckpt
 from .bptt import TrainState, WindowPlan
 from .config import RunConfig, dump_yaml
-from .curriculum import SegmentCurriculum
 from .distributed import (
     barrier,
     device_for,
@@ -37,6 +35,7 @@ from .loop import LoopParts, NonFiniteLoss, TrainingLoop
 from .master_weights import gathers_masters, scored_weights
 from .precision import check_precision, configure_matmul
 from .pretrained import build_for_engine
+from .regime import DataRegime, regime_of
 from .resume import restore
 from .run_dir import RUNNING, RunDir, atomic_write_json, atomic_write_text
 from .tracking import Tracker
@@ -95,42 +94,25 @@ def check_pretrained_vocab(cfg: RunConfig, manifest: Manifest, announce: bool = 
                           f"model.hf.path {hf.path} has {cfg.model.vocab_size} rows")
 
 
-def open_data(cfg: RunConfig, rank: int) -> tuple[Manifest, WindowPlan]:
-    """The manifest (generated first by rank 0 for `data.generate`), checked against the
-    model, and the BPTT window plan for its data regime (WindowPlan refuses what cannot be
+def open_data(cfg: RunConfig, rank: int) -> tuple[DataRegime, WindowPlan]:
+    """The data regime of the manifest (generated first by rank 0 for `data.generate`),
+    checked against the model, and the BPTT window plan it gives (refusing what cannot be
     planned), both before any engine exists."""
     path = Path(cfg.data.path)
     if cfg.data.generate and rank == 0 and not (path / MANIFEST).exists():
         write_repeat_corpus(path, n_symbols=cfg.model.vocab_size, seed=cfg.data.seed)
     barrier()
     manifest = load_manifest(cfg.data.path)
+    regime = regime_of(manifest)
     if cfg.model.backbone == "hf":
         check_pretrained_vocab(cfg, manifest, announce=rank == 0)
-        if cfg.model.hf.finetune == "frozen" and not manifest.episodic and rank == 0:
-            # Frozen, the write path is the base itself: only the initial memory trains,
-            # and a token stream reads it only where a row's document starts.
-            print("memtrain train: warning: model.hf.finetune frozen on a token stream trains "
-                  "only the initial memory, which the stream uses only where a document "
-                  "starts; lora trains how the memory is written too", file=sys.stderr,
-                  flush=True)
+        if cfg.model.hf.finetune == "frozen" and rank == 0:
+            regime.warn_frozen_base("memtrain train")
     elif manifest.vocab_size > cfg.model.vocab_size:
         raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the "
                           f"data's vocabulary ({manifest.vocab_size} ids in {cfg.data.path})")
-    if manifest.episodic:
-        seg = (manifest.chunk_tokens - 1) // int(manifest.extra["n_segments"])
-        if seg != cfg.model.tgt_len:
-            raise ConfigError("model.tgt_len", f"{cfg.model.tgt_len} differs from the task's "
-                              f"segment length {seg} ({cfg.data.path})")
-    return manifest, WindowPlan(cfg.bptt, manifest.episodic)
-
-
-def _stream(cfg: RunConfig, manifest, rank: int, world: int):
-    d = cfg.data
-    if manifest.episodic:
-        return EpisodeStream(manifest, d.train_split, d.global_batch, rank, world, seed=d.seed,
-                             url_template=d.url_template or None)
-    return TokenStream(manifest, d.train_split, d.global_batch, cfg.model.tgt_len, rank, world,
-                       prefetch=d.prefetch, url_template=d.url_template or None)
+    regime.check_segments(cfg.model.tgt_len, cfg.data.path)
+    return regime, regime.window_plan(cfg.bptt)
 
 
 def train(cfg: RunConfig, resume: bool | str = True) -> int:
@@ -161,9 +143,9 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
     barrier()
-    manifest, plan = open_data(cfg, env.rank)
-    stream = _stream(cfg, manifest, env.rank, env.world_size)
-    curriculum = SegmentCurriculum(cfg.curriculum, stream, manifest, cfg.data.path)
+    regime, plan = open_data(cfg, env.rank)
+    stream = regime.train_stream(cfg, env.rank, env.world_size)
+    curriculum = regime.curriculum(cfg.curriculum, stream, cfg.data.path)
     info = ckpt.agreed_latest(ckpt_root) if resume else None   # rank 0's choice, on all
     if resume == "require" and info is None:
         raise ConfigError("--resume", f"no complete checkpoint in {ckpt_root}")
@@ -224,7 +206,7 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     tracker.log_artifact(run.ds_config, "config")
     loop = TrainingLoop(LoopParts(cfg=cfg, engine=engine, state=state, device=device,
                                   stage=zero_stage(ds_config), env=env, schedule=schedule,
-                                  stream=stream, manifest=manifest, tracker=tracker,
+                                  stream=stream, manifest=regime.manifest, tracker=tracker,
                                   ckpt_root=ckpt_root, curriculum=curriculum))
     try:
         status = loop.run()
