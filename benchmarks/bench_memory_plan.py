@@ -53,7 +53,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from data_pipeline.streams import SegmentBatch  # noqa: E402
-from model import ModelConfig, build_model  # noqa: E402
+from model import ModelConfig, backbone_of, build_model, resolve_shape  # noqa: E402
 from model.compiled import compile_core, compiled_graphs  # noqa: E402
 from planner.activations import Dims, count_params  # noqa: E402
 from planner.window import window_memory  # noqa: E402
@@ -98,7 +98,7 @@ def _data_ptr(t: torch.Tensor) -> int | None:
 def _build(cfg: ModelConfig, precision: str, device: str = "cpu") -> torch.nn.Module:
     """The model in training mode; a pretrained backbone with random weights made from its
     checkpoint's config alone (the directory holds nothing else)."""
-    if cfg.backbone != "hf":
+    if not backbone_of(cfg).loads_checkpoint:
         return build_model(cfg).to(device, DTYPES[precision]).train()
     from transformers import AutoModelForCausalLM
 
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         if (args.quick and label not in QUICK) or (args.only and args.only not in label):
             continue
         window = window[0] if window else {}
-        cfg = ModelConfig(**(kw() if callable(kw) else kw))
+        cfg = resolve_shape(ModelConfig(**(kw() if callable(kw) else kw)))
         t0 = time.process_time()
         got = (measure_cuda(cfg, rows, depth, ckpt, prec) if args.cuda else
                measure(cfg, rows, depth, ckpt, prec, **window))

@@ -58,8 +58,8 @@ import torch
 from common import write_json
 
 from data_pipeline.streams import SegmentBatch
+from model.backbones import build_model, resolve_shape
 from model.config import ModelConfig
-from model.lm import build_model
 from model.pretrained.loading import load_base, load_tokenizer
 from train.bptt import run_window
 
@@ -160,11 +160,12 @@ def segments(tokens: torch.Tensor, mask: torch.Tensor, n_segments: int,
 
 def model_config(hf: dict, m: int, seg_len: int, finetune: str, lora_r: int,
                  pattern: str = "paper") -> ModelConfig:
-    """The run config's `model:` section for this experiment, as a ModelConfig."""
-    return ModelConfig.from_dict({
+    """The run config's `model:` section for this experiment, as a ModelConfig (its shape
+    read from the checkpoint)."""
+    return resolve_shape(ModelConfig.from_dict({
         "mechanism": "rmt", "backbone": "hf", "mem_len": 0, "tgt_len": seg_len,
         "dropout": 0.0, "rmt": {"num_mem_tokens": m, "pattern": pattern},
-        "hf": {**hf, "finetune": finetune, "lora_r": lora_r, "lora_alpha": 2 * lora_r}})
+        "hf": {**hf, "finetune": finetune, "lora_r": lora_r, "lora_alpha": 2 * lora_r}}))
 
 
 @torch.no_grad()

@@ -21,7 +21,7 @@ import yaml
 # model.typed: the one typed builder of every config tree (the model's too) and its error.
 # ConfigError is re-exported from here for the layers above (cluster/, the command lines),
 # which build on the run config and need not know where in model/ it is defined.
-from model import ModelConfig
+from model import ModelConfig, resolve_shape
 from model.recompute import parse_policy
 from model.typed import ConfigError, build_dataclass
 
@@ -429,9 +429,13 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple = ()) -> R
 
 def from_dict(tree: dict) -> RunConfig:
     """The typed, validated run config of a plain tree (YAML + overrides). Every section,
-    `model` and its `lamemo` / `rmt` options included, goes through the same builder."""
+    `model` and its `lamemo` / `rmt` options included, goes through the same builder; then
+    the model's shape is read where its backbone keeps it (a pretrained checkpoint's config:
+    `resolve_shape`), so a run config is whole."""
     tree = json.loads(json.dumps(tree))  # a private deep copy
-    return validate(build_dataclass(RunConfig, tree, ""))
+    cfg = build_dataclass(RunConfig, tree, "")
+    resolve_shape(cfg.model)
+    return validate(cfg)
 
 
 def dump_yaml(cfg: RunConfig) -> str:
