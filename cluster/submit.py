@@ -27,8 +27,7 @@ import time
 from pathlib import Path
 
 from memtrain.command_line import error_line
-from model import backbone_of
-from train.config import ConfigError, load_config, resolve_path
+from train.config import ConfigError, checkpoint_source, load_config, resolve_path
 from train.run_dir import RunDir, atomic_write_json, atomic_write_text, sqlite_uri
 
 from . import partition, torch_check
@@ -65,7 +64,7 @@ def absolute_paths(cfg) -> list[str]:
     pretrained checkpoint directory (model.hf.path), the init_from file. URLs,
     url_template and hub names are left as they are."""
     out = []
-    field, path = backbone_of(cfg.model).checkpoint_source(cfg.model) or ("", "")
+    field, path = checkpoint_source(cfg) or ("", "")
     if path and os.path.isdir(os.path.expanduser(path)) and not os.path.isabs(path):
         out.append(f"{field}={os.path.abspath(os.path.expanduser(path))}")
     if cfg.init_from and not os.path.isabs(cfg.init_from):
@@ -84,7 +83,7 @@ def absolute_paths(cfg) -> list[str]:
 def _hub_name(cfg) -> str:
     """The pretrained checkpoint the job reads (model.hf.path) when it names a hub model
     rather than a local directory."""
-    _, path = backbone_of(cfg.model).checkpoint_source(cfg.model) or ("", "")
+    _, path = checkpoint_source(cfg) or ("", "")
     return "" if not path or os.path.isdir(os.path.expanduser(path)) else path
 
 

@@ -21,7 +21,7 @@ import yaml
 # model.typed: the one typed builder of every config tree (the model's too) and its error.
 # ConfigError is re-exported from here for the layers above (cluster/, the command lines),
 # which build on the run config and need not know where in model/ it is defined.
-from model import ModelConfig, resolve_shape
+from model import ModelConfig, backbone_of, resolve_shape
 from model.recompute import parse_policy
 from model.typed import ConfigError, build_dataclass
 
@@ -374,6 +374,12 @@ def resolve_path(path: str) -> Path:
     if p.is_absolute() or p.exists():
         return p
     return PROJECT_ROOT / p
+
+
+def checkpoint_source(cfg: RunConfig) -> tuple[str, str] | None:
+    """(config field, value) of the pretrained checkpoint the run's model starts from, a
+    local directory or a hub name; None when its backbone reads none (model/backbones/)."""
+    return backbone_of(cfg.model).checkpoint_source(cfg.model)
 
 
 # ----------------------------------------------------------------------------- loading
