@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from model import ModelConfig  # noqa: E402
+from model import ModelConfig, resolve_shape  # noqa: E402
 from planner.window import predict_window  # noqa: E402
 from train.memory_probe import measure, measure_cuda  # noqa: E402
 
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         if (args.quick and label not in QUICK) or (args.only and args.only not in label):
             continue
         window = window[0] if window else {}
-        cfg = ModelConfig(**(kw() if callable(kw) else kw))
+        cfg = resolve_shape(ModelConfig(**(kw() if callable(kw) else kw)))
         t0 = time.process_time()
         got = (measure_cuda(cfg, rows, depth, ckpt, prec) if args.cuda else
                measure(cfg, rows, depth, ckpt, prec, **window))

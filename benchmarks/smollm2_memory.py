@@ -62,8 +62,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import write_json  # noqa: E402
 from data_pipeline.streams import SegmentBatch  # noqa: E402
+from model.backbones import build_model, resolve_shape  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
-from model.lm import build_model  # noqa: E402
 from model.pretrained.loading import load_base, load_tokenizer  # noqa: E402
 from train.bptt import run_window  # noqa: E402
 
@@ -164,11 +164,12 @@ def segments(tokens: torch.Tensor, mask: torch.Tensor, n_segments: int,
 
 def model_config(hf: dict, m: int, seg_len: int, finetune: str, lora_r: int,
                  pattern: str = "paper") -> ModelConfig:
-    """The run config's `model:` section for this experiment, as a ModelConfig."""
-    return ModelConfig.from_dict({
+    """The run config's `model:` section for this experiment, as a ModelConfig (its shape
+    read from the checkpoint)."""
+    return resolve_shape(ModelConfig.from_dict({
         "mechanism": "rmt", "backbone": "hf", "mem_len": 0, "tgt_len": seg_len,
         "dropout": 0.0, "rmt": {"num_mem_tokens": m, "pattern": pattern},
-        "hf": {**hf, "finetune": finetune, "lora_r": lora_r, "lora_alpha": 2 * lora_r}})
+        "hf": {**hf, "finetune": finetune, "lora_r": lora_r, "lora_alpha": 2 * lora_r}}))
 
 
 @torch.no_grad()

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from memtrain.command_line import error_line
-from train.config import ConfigError, load_config, resolve_path
+from train.config import ConfigError, checkpoint_source, load_config, resolve_path
 from train.run_dir import RunDir, atomic_write_json, atomic_write_text, sqlite_uri
 
 from . import partition, torch_check
@@ -64,9 +64,9 @@ def absolute_paths(cfg) -> list[str]:
     pretrained checkpoint directory (model.hf.path), the init_from file. URLs,
     url_template and hub names are left as they are."""
     out = []
-    hf_path = cfg.model.hf.path if cfg.model.backbone == "hf" else ""
-    if hf_path and os.path.isdir(os.path.expanduser(hf_path)) and not os.path.isabs(hf_path):
-        out.append(f"model.hf.path={os.path.abspath(os.path.expanduser(hf_path))}")
+    field, path = checkpoint_source(cfg) or ("", "")
+    if path and os.path.isdir(os.path.expanduser(path)) and not os.path.isabs(path):
+        out.append(f"{field}={os.path.abspath(os.path.expanduser(path))}")
     if cfg.init_from and not os.path.isabs(cfg.init_from):
         out.append(f"init_from={os.path.abspath(cfg.init_from)}")
     data = cfg.data.path
@@ -81,10 +81,10 @@ def absolute_paths(cfg) -> list[str]:
 
 
 def _hub_name(cfg) -> str:
-    """model.hf.path when it names a hub model rather than a local directory."""
-    if cfg.model.backbone != "hf" or os.path.isdir(os.path.expanduser(cfg.model.hf.path)):
-        return ""
-    return cfg.model.hf.path
+    """The pretrained checkpoint the job reads (model.hf.path) when it names a hub model
+    rather than a local directory."""
+    _, path = checkpoint_source(cfg) or ("", "")
+    return "" if not path or os.path.isdir(os.path.expanduser(path)) else path
 
 
 def _check_torch(opts, strict: bool) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from data_pipeline.shards import ShardError, load_manifest
 from memtrain.command_line import invalid_config
-from model import ConfigError
+from model import ConfigError, backbone_of
 from train.config import RunConfig, load_config
 from train.evaluate import protocol_for
 from train.export import load_weights
@@ -41,7 +41,7 @@ def analyze_run(cfg: RunConfig, checkpoint: str | None = None, split: str | None
     checkpoint), ShardError (no such split) or ValueError (bad numbers, data too short)."""
     if segments < 1 or rows < 1:
         raise ValueError(f"--segments and --rows must be >= 1, got {segments} and {rows}")
-    if cfg.model.backbone != "native":
+    if not backbone_of(cfg.model).records_analysis:
         raise ConfigError("model.backbone", "memtrain analyze records the native stack's "
                           "attention maps and memory; a pretrained backbone's run has none "
                           "of its hooks (score it with memtrain eval)")

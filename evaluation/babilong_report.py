@@ -30,7 +30,7 @@ from train.run_access import pick_checkpoint
 from .babilong import evaluate_babilong, find_folders
 from .babilong_score import is_correct
 from .eval_files import save_and_log
-from .generate_cli import DataIds
+from .generation import fit_to_data
 
 # How labels are found in an answer (evaluation/babilong_score.py), as the report names it.
 MATCHING = {True: "whole words", False: "substrings (the authors' code)"}
@@ -74,13 +74,10 @@ def run_babilong(cfg: RunConfig, checkpoint: str | None, data: str, *, tasks=Non
 
 
 def _fit_vocab(model, manifest, run_data: str):
-    """The model, checked against the data's ids (as `memtrain generate` checks them): a
-    native model has exactly the data's vocabulary, a pretrained one at least its ids (and
-    then samples only those)."""
-    if manifest.vocab_size > model.cfg.vocab_size or (
-            model.cfg.backbone != "hf" and manifest.vocab_size != model.cfg.vocab_size):
-        raise ConfigError("model.vocab_size", f"the model has {model.cfg.vocab_size} ids but "
-                          f"the BABILong data at {manifest.location} have {manifest.vocab_size}")
+    """The model, fitted to the data's ids as `memtrain generate` fits it
+    (evaluation/generation.py `fit_to_data`), once the BABILong data are known to be written
+    with the run's training vocabulary."""
+    fitted = fit_to_data(model, manifest, str(manifest.location))
     try:
         trained = load_manifest(run_data).vocab_fingerprint if run_data else None
     except Exception:  # the training data need not be reachable where the scoring runs
@@ -88,8 +85,7 @@ def _fit_vocab(model, manifest, run_data: str):
     if trained and trained != manifest.vocab_fingerprint:
         raise ConfigError("--babilong", f"the data at {manifest.location} were written with "
                           f"another vocabulary than the run's training data ({run_data})")
-    return DataIds(model, manifest.vocab_size) if manifest.vocab_size < model.cfg.vocab_size \
-        else model
+    return fitted
 
 
 # ---------------------------------------------------------------------------- rendering

@@ -10,10 +10,8 @@ model.generate.stream_generate: the memory advances once per segment (`--seg-len
 the trained tgt_len) exactly as in training and evaluation, so any length costs O(length) and
 the model sees the context it was scored with. Tokens print as they are sampled.
 
-A pretrained backbone (`model.backbone: hf`) may have more output rows than the data has ids
-(an embedding padded past its tokenizer, or a small task alphabet): the data's ids must fit
-the model, and sampling draws from the data's ids only (the others never occurred in
-training and the vocabulary cannot print them).
+The model and its vocabulary come from evaluation/generation.py (`load_for_generation`),
+which also fits the model to the data's ids.
 """
 
 from __future__ import annotations
@@ -27,16 +25,11 @@ from pathlib import Path
 
 import torch
 
-from data_pipeline.shards import load_manifest
-from data_pipeline.vocabs import vocab_from_dict
 from memtrain.command_line import error_line
-from model import ConfigError, load_model, stream_generate
-from model.open_segment import open_segment
-from model.pretrained.checkpoint_config import check_segment_positions
-from train.checkpoint import MARKER
-from train.export import load_weights
-from train.run_access import load_run_config, pick_checkpoint
-from train.run_dir import RunDir
+from model import ConfigError, stream_generate
+from model.backbones import check_segment_positions
+
+from .generation import load_for_generation
 
 DECODE_WINDOW = 16  # tokens re-decoded to print a suffix (multi-token characters and words)
 
@@ -60,82 +53,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="data manifest folder (for an exported .safetensors)")
     p.add_argument("--ids", action="store_true", help="print token ids instead of text")
     return p
-
-
-def load_for_generation(path: Path, data: str | None):
-    """(model, vocabulary or None) from a run dir, a checkpoint folder or a .safetensors."""
-    if path.suffix == ".safetensors":
-        model, data_path = load_model(path), data
-    else:
-        run_dir, name = path, None
-        if (path / MARKER).is_file() and path.parent.name == RunDir.CHECKPOINTS:
-            run_dir, name = path.parent.parent, path.name
-        cfg = load_run_config(str(run_dir), [])
-        info = pick_checkpoint(cfg, name)
-        if info is None:
-            raise FileNotFoundError(f"no complete checkpoint in {run_dir}")
-        model, data_path = load_weights(info, cfg.model), data or cfg.data.path
-    vocab = None
-    if data_path:
-        manifest = load_manifest(data_path)
-        # Training accepts data whose ids fit the model (train/trainer.py); a native model
-        # has exactly the data's vocabulary, a pretrained one its checkpoint's.
-        if manifest.vocab_size > model.cfg.vocab_size or (
-                model.cfg.backbone != "hf" and manifest.vocab_size != model.cfg.vocab_size):
-            raise ConfigError("model.vocab_size", f"the model has {model.cfg.vocab_size} "
-                              f"ids but the data at {data_path} has {manifest.vocab_size}")
-        if manifest.vocab_size < model.cfg.vocab_size:
-            model = DataIds(model, manifest.vocab_size)
-        try:
-            vocab = vocab_from_dict(manifest.vocab)
-        except (ValueError, KeyError):
-            vocab = None  # e.g. a synthetic stream: ids only
-    return model, vocab
-
-
-class DataIds(torch.nn.Module):
-    """`model` sampling only ids below `n_ids`: the others get probability 0 (every other
-    call passes through unchanged)."""
-
-    def __init__(self, model, n_ids: int):
-        super().__init__()
-        self.model, self.n_ids, self.cfg = model, n_ids, model.cfg
-
-    def initial_state(self, batch_size: int, device=None):
-        return self.model.initial_state(batch_size, device)
-
-    def set_lengths(self, **lengths) -> None:
-        self.model.set_lengths(**lengths)
-
-    def forward(self, tokens, state=None, **kwargs):
-        out = self.model(tokens, state, **kwargs)
-        if out.log_probs is not None:
-            out.log_probs[..., self.n_ids:] = float("-inf")
-        return out
-
-    def open_segment(self, state):
-        """The model's own open segment of a generation (model/open_segment.py: a
-        pretrained backbone's is KV-cached), its predictions limited to the data's ids."""
-        return DataIdsSegment(open_segment(self.model, state), self.n_ids)
-
-
-class DataIdsSegment:
-    """An open segment (model/open_segment.py) whose predictions give the ids from `n_ids`
-    on probability 0."""
-
-    def __init__(self, segment, n_ids: int):
-        self.segment, self.n_ids = segment, n_ids
-
-    def read(self, tokens) -> None:
-        self.segment.read(tokens)
-
-    def predict(self, tokens) -> torch.Tensor:
-        log_probs = self.segment.predict(tokens)
-        log_probs[..., self.n_ids:] = float("-inf")
-        return log_probs
-
-    def commit(self):
-        return self.segment.commit()
 
 
 class StreamingDecoder:

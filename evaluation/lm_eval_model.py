@@ -8,7 +8,7 @@ is lm-eval's own command line with the model registered (docs/lm-eval.md). From 
 `import evaluation.lm_eval_model` before `lm_eval.simple_evaluate(model="memtrain", ...)`.
 
 model_args: run_dir (a run directory, one checkpoint folder of a run, or an exported
-.safetensors: evaluation/generate_cli.py `load_for_generation`), data (the data manifest folder
+.safetensors: evaluation/generation.py `load_for_generation`), data (the data manifest folder
 whose vocabulary turns text into ids; defaults to the run's), batch_size, device, seg_len
 (default: the model's tgt_len), mem_len (default: as trained), memory ("carry", or "reset": a
 fresh memory at every segment, the no-memory baseline), prefix_token_id (default, as in
@@ -57,10 +57,10 @@ try:
 except ImportError as err:   # an optional part: pip install 'memtrain[lm-eval]'
     raise ImportError(missing_extra("lm-eval") or str(err), name=err.name) from err
 
-from evaluation.generate_cli import load_for_generation
+from evaluation.generation import load_for_generation
 from model import stream_generate
+from model.backbones import check_segment_positions
 from model.open_segment import open_segment
-from model.pretrained.checkpoint_config import check_segment_positions
 
 MEMORY_MODES = ("carry", "reset")
 log = logging.getLogger(__name__)

@@ -102,7 +102,6 @@ MEMORY_NORMS = ("unit", "embedding", "none")
 RMT_PATTERNS = ("paper", "causal")
 ARMT_MEMORY_POSITIONS = ("fixed", "follow", "table_end")
 FEATURE_MAPS = ("dpfp", "elu", "identity")
-BACKBONES = ("native", "hf")
 FINETUNE_MODES = ("full", "frozen", "lora")
 
 
@@ -111,8 +110,9 @@ class PretrainedOptions:
     """A pretrained Hugging Face causal LM as the backbone (`backbone: hf`; model/pretrained/).
 
     The shape fields of `ModelConfig` (vocab_size, d_model, n_layer, n_head, d_inner) are
-    read from the checkpoint's own config; the memory is RMT's (`model.rmt.num_mem_tokens`,
-    0 for the plain base model)."""
+    read from the checkpoint's own config, in a step of its own after the config is built
+    (model/backbones/ `resolve_shape`; building reads nothing); the memory is RMT's
+    (`model.rmt.num_mem_tokens`, 0 for the plain base model)."""
 
     # A local directory (loads with no network) or a hub name (needs the network unless it
     # is in the local cache; HF_HUB_OFFLINE=1 is respected).
@@ -131,6 +131,9 @@ class PretrainedOptions:
     lora_targets: list[str] = field(default_factory=list)
     # The base model's attention kernel: "sdpa" or "eager" (the reference softmax).
     attn_implementation: str = "sdpa"
+    # The checkpoint's architecture (its config's model_type), written with the shape fields
+    # by the step that reads them (model/backbones/ `resolve_shape`); empty: not read yet.
+    model_type: str = ""
 
 
 @dataclass
@@ -193,24 +196,40 @@ class ModelConfig:
             self.armt = _build_options(ARMTOptions, self.armt, "model.armt")
         if isinstance(self.hf, dict):
             self.hf = _build_options(PretrainedOptions, self.hf, "model.hf")
-        if self.backbone == "hf":
-            # Lazy: transformers is imported only by configs that name a pretrained model.
-            from .pretrained.checkpoint_config import resolve_shape
-            resolve_shape(self)
-        if self.d_head == 0 and self.n_head > 0 and self.d_model % self.n_head == 0:
+        if self.d_head == 0 and self.shape_read and self.n_head > 0 and \
+                self.d_model % self.n_head == 0:
             self.d_head = self.d_model // self.n_head
         self.validate()
 
+    @property
+    def shape_read(self) -> bool:
+        """Whether the shape fields hold the model's shape: always for the native stack; for
+        a backbone that reads its shape from a checkpoint, once that step ran (until then
+        they hold defaults that describe no checkpoint, and are not validated)."""
+        traits = BACKBONE_TRAITS.get(self.backbone)
+        return traits is None or not traits.shape_from_checkpoint or bool(self.hf.model_type)
+
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
-        if self.backbone not in BACKBONES:
+        if self.backbone not in BACKBONE_TRAITS:
             raise ConfigError("model.backbone", f"unknown backbone {self.backbone!r}; choose "
-                              f"one of {', '.join(BACKBONES)}")
-        if self.backbone == "hf":
-            self._validate_pretrained()
+                              f"one of {', '.join(BACKBONE_TRAITS)}")
+        if BACKBONE_TRAITS[self.backbone].check is not None:
+            BACKBONE_TRAITS[self.backbone].check(self)
         if self.mechanism not in MECHANISMS:
             raise ConfigError("model.mechanism", f"unknown mechanism {self.mechanism!r}; "
                               f"choose one of {', '.join(MECHANISMS)}")
+        if self.shape_read:
+            self._validate_shape()
+        self.check_lengths(self.mem_len, self.clamp_len, self.same_length)
+        if self.mechanism == "lamemo":
+            self._validate_lamemo()
+        if self.mechanism in ("rmt", "armt"):
+            self._validate_rmt()
+        if self.mechanism == "armt":
+            self._validate_armt()
+
+    def _validate_shape(self) -> None:
         for name in ("vocab_size", "n_layer", "d_model", "n_head", "d_inner", "tgt_len"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"model.{name}", f"must be > 0, got {getattr(self, name)}")
@@ -229,14 +248,7 @@ class ModelConfig:
         if self.attn_impl not in ATTN_IMPLS:
             raise ConfigError("model.attn_impl", f"unknown {self.attn_impl!r}; choose "
                               f"one of {', '.join(ATTN_IMPLS)}")
-        self.check_lengths(self.mem_len, self.clamp_len, self.same_length)
         self._validate_adaptive()
-        if self.mechanism == "lamemo":
-            self._validate_lamemo()
-        if self.mechanism in ("rmt", "armt"):
-            self._validate_rmt()
-        if self.mechanism == "armt":
-            self._validate_armt()
 
     def check_lengths(self, mem_len: int, clamp_len: int, same_length: bool,
                       section: str = "model") -> None:
@@ -247,7 +259,7 @@ class ModelConfig:
         if clamp_len < -1 or clamp_len == 0:
             raise ConfigError(f"{section}.clamp_len", f"must be -1 (off) or > 0, got "
                               f"{clamp_len}")
-        if mem_len and self.backbone == "hf":
+        if mem_len and not BACKBONE_TRAITS[self.backbone].xl_cache:
             raise ConfigError(f"{section}.mem_len", f"must be 0, got {mem_len}: a pretrained "
                               "backbone keeps no XL cache")
         if same_length and self.mechanism in ("rmt", "armt"):
@@ -296,7 +308,7 @@ class ModelConfig:
         if o.num_mem_tokens < 0:
             raise ConfigError("model.rmt.num_mem_tokens", f"must be >= 0, got "
                               f"{o.num_mem_tokens}")
-        if o.num_mem_tokens == 0 and self.backbone == "native":
+        if o.num_mem_tokens == 0 and not BACKBONE_TRAITS[self.backbone].base_without_memory:
             # A pretrained backbone with 0 memory tokens is its plain base model (the
             # no-memory baseline); the native stack has mechanism 'xl' for that.
             raise ConfigError("model.rmt.num_mem_tokens", "must be > 0 (use mechanism 'xl' "
@@ -304,7 +316,8 @@ class ModelConfig:
         if o.pattern not in RMT_PATTERNS:
             raise ConfigError("model.rmt.pattern", f"unknown {o.pattern!r}; choose one of "
                               f"{', '.join(RMT_PATTERNS)}")
-        if o.pattern == "causal" and (self.backbone != "hf" or self.mechanism != "rmt"):
+        if o.pattern == "causal" and (not BACKBONE_TRAITS[self.backbone].position_ids
+                                      or self.mechanism != "rmt"):
             raise ConfigError("model.rmt.pattern", "'causal' is the RMT authors' Hugging Face "
                               "wrapper's pattern: it needs mechanism 'rmt' with backbone 'hf' "
                               "(the native RMT follows RMT §3, 'paper'; ARMT is causal by "
@@ -333,7 +346,7 @@ class ModelConfig:
         if o.memory_positions not in ARMT_MEMORY_POSITIONS:
             raise ConfigError("model.armt.memory_positions", f"unknown {o.memory_positions!r}; "
                               f"choose one of {', '.join(ARMT_MEMORY_POSITIONS)}")
-        if o.memory_positions != "fixed" and self.backbone != "hf":
+        if o.memory_positions != "fixed" and not BACKBONE_TRAITS[self.backbone].position_ids:
             raise ConfigError("model.armt.memory_positions", "places memory tokens in a "
                               "pretrained model's positions (backbone 'hf'); the native "
                               "stack's positions are relative")
@@ -374,6 +387,32 @@ class ModelConfig:
         """Typed like the run config (`model.typed.build_dataclass`): an unknown or mistyped
         field, nested ones included, fails naming its dotted path under `model`."""
         return build_dataclass(cls, data, "model")
+
+
+@dataclass(frozen=True)
+class BackboneTraits:
+    """What the model config must know of a backbone to validate itself. The backbone's
+    behaviour (building, export, load, vocabulary, positions, plan shapes, ...) is its class
+    in model/backbones/, whose registry has the same names; this part sits here, below it,
+    because every module of model/ reads the config."""
+
+    xl_cache: bool              # keeps Transformer-XL's cache (mem_len > 0)
+    base_without_memory: bool   # 0 memory tokens is a model of its own (its base model)
+    position_ids: bool          # places rows at position ids (memory_positions, "causal")
+    shape_from_checkpoint: bool  # the shape fields are read from a checkpoint (shape_read)
+    check: Any = None           # (ModelConfig) -> None: its own options' validation
+
+
+BACKBONE_TRAITS = {
+    # The native relative-position stack (model/backbone.py): no memory is mechanism 'xl'
+    # with mem_len 0.
+    "native": BackboneTraits(xl_cache=True, base_without_memory=False, position_ids=False,
+                             shape_from_checkpoint=False),
+    # A pretrained Hugging Face causal LM (model/pretrained/).
+    "hf": BackboneTraits(xl_cache=False, base_without_memory=True, position_ids=True,
+                         shape_from_checkpoint=True, check=ModelConfig._validate_pretrained),
+}
+BACKBONES = tuple(BACKBONE_TRAITS)
 
 
 def _build_options(cls, values: dict[str, Any], prefix: str):

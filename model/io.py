@@ -1,16 +1,10 @@
 """Single-file fp32 weights: save and load a model with its config, no trainer needed.
 
 The file is safetensors; the model config travels in its metadata, so
-`load_model("model.safetensors")` rebuilds the exact model.
-
-- The native stack (`backbone: native`): every weight. Tied input/output weights are stored
-  once (safetensors' save_model de-duplicates shared tensors).
-- A pretrained backbone (`backbone: hf`, model/pretrained/): only what the run trained
-  (`trained_parameter_names`: every base weight with `finetune: full`, the memory parameters
-  with `frozen`, the memory and the LoRA adapters with `lora`). The rest is the pretrained
-  checkpoint itself, which `load_model` loads again from the metadata's base path, revision
-  and GGUF file (the config's `model.hf`); so a frozen export of a 7B model is a few
-  kilobytes, and the base must still be at that path.
+`load_model("model.safetensors")` rebuilds the exact model. Which weights the file holds
+is the backbone's answer (model/backbones/): the native stack's are every weight, a
+pretrained backbone's only what the run trained, its base being loaded again from the
+checkpoint its config names.
 """
 
 from __future__ import annotations
@@ -21,51 +15,25 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file as _read_tensors
-from safetensors.torch import load_model as _load_into
-from safetensors.torch import save_file as _save_tensors
-from safetensors.torch import save_model as _save_from
 
 from data_pipeline.atomic import AtomicFile
 
+from .backbones import backbone_of, build_model
 from .config import ModelConfig
-from .lm import build_model
 from .segment_lm import SegmentLM
 
 CONFIG_KEY = "memtrain_model_config"
-# The pretrained base an `hf` export's weights go with (also inside the config; here for
-# anyone reading the file's metadata without memtrain).
-BASE_KEYS = {"memtrain_base_path": "path", "memtrain_base_revision": "revision",
-             "memtrain_base_gguf_file": "gguf_file", "memtrain_finetune": "finetune"}
-
-
-def exported_names(model: SegmentLM) -> list[str] | None:
-    """The parameter names an export of `model` holds: what a pretrained backbone trained;
-    None for the native stack (its whole state dict)."""
-    if model.cfg.backbone == "hf":
-        return model.trained_parameter_names()
-    return None
-
-
-def trained_state(model: SegmentLM) -> dict[str, torch.Tensor]:
-    """{name: fp32 copy} of the parameters a pretrained backbone's export holds."""
-    params = dict(model.named_parameters())
-    return {name: params[name].detach().float().cpu().contiguous().clone()
-            for name in exported_names(model)}
 
 
 def save_model(model: SegmentLM, path: str | Path, extra: dict | None = None) -> Path:
     path = Path(path)
-    meta = {CONFIG_KEY: json.dumps(model.cfg.to_dict())}
-    if model.cfg.backbone == "hf":
-        meta.update({key: str(getattr(model.cfg.hf, field)) for key, field in BASE_KEYS.items()})
+    backbone = backbone_of(model.cfg)
+    meta = {CONFIG_KEY: json.dumps(model.cfg.to_dict()), **backbone.export_metadata(model.cfg)}
     meta.update({k: str(v) for k, v in (extra or {}).items()})
     # safetensors writes by file name: into AtomicFile's temporary file, which is then
     # fsynced and renamed onto `path` (a killed export leaves the old file or none).
     with AtomicFile(path) as f:
-        if model.cfg.backbone == "hf":
-            _save_tensors(trained_state(model), f.name, metadata=meta)
-        else:
-            _save_from(model.float(), f.name, metadata=meta)
+        backbone.write_weights(model, f.name, meta)
     return path
 
 
@@ -75,25 +43,6 @@ def read_config(path: str | Path) -> ModelConfig:
     if CONFIG_KEY not in meta:
         raise ValueError(f"{path} has no {CONFIG_KEY!r} metadata: not a memtrain export")
     return ModelConfig.from_dict(json.loads(meta[CONFIG_KEY]))
-
-
-def load_trained(model: SegmentLM, state: dict[str, torch.Tensor], source: str) -> None:
-    """Copy a pretrained backbone's trained parameters from `state` into `model`, strictly:
-    exactly the names `model` trains, each of its shape (the frozen rest is the base)."""
-    names = exported_names(model)
-    params = dict(model.named_parameters())
-    missing = sorted(set(names) - set(state))
-    unexpected = sorted(set(state) - set(names))
-    shapes = [f"{n}: file {tuple(state[n].shape)}, model {tuple(params[n].shape)}"
-              for n in names if n in state and state[n].shape != params[n].shape]
-    if missing or unexpected or shapes:
-        raise ValueError(
-            f"{source} does not hold what this model trains (model.hf.finetune "
-            f"{model.cfg.hf.finetune!r}): missing {missing[:8]}, unexpected {unexpected[:8]}, "
-            f"shapes {shapes[:8]}")
-    with torch.no_grad():
-        for name in names:
-            params[name].copy_(state[name])
 
 
 def load_initial(model: SegmentLM, path: str | Path) -> list[str]:
@@ -130,8 +79,5 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> SegmentL
     """Rebuild the model from the file's config and load its weights (strictly). A
     pretrained backbone loads its base from `model.hf` first, then the trained weights."""
     model = build_model(read_config(path))
-    if model.cfg.backbone == "hf":
-        load_trained(model, _read_tensors(str(path)), str(path))
-    else:
-        _load_into(model, str(path), strict=True, device=str(device))
+    backbone_of(model.cfg).load_weights(model, str(path), device)
     return model.to(device)

@@ -40,16 +40,6 @@ def core_class(cfg: ModelConfig) -> type[RelativeBackbone]:
     return _CORES[cfg.mechanism]
 
 
-def shape_class(cfg: ModelConfig):
-    """What states a segment's shapes (`segment_shapes`, model/shapes.py) for `cfg`: the
-    mechanism's class for the native stack, model/pretrained/shapes.py's for a pretrained
-    backbone, which also counts its parameters without weights (`parameter_counts`)."""
-    if cfg.backbone == "hf":
-        from .pretrained.shapes import PretrainedShapes
-        return PretrainedShapes
-    return core_class(cfg)
-
-
 class MemoryLM(SegmentLM):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -120,18 +110,6 @@ class MemoryLM(SegmentLM):
             out.aux_loss = self.softmax(write, target).mean()
             out.loss = out.loss + opts.mem_loss_weight * out.aux_loss
         return out
-
-
-def build_model(cfg: ModelConfig | dict, **pretrained) -> SegmentLM:
-    """Build a model from a ModelConfig or a plain dict (validated either way): the native
-    stack, or a pretrained backbone with memory tokens (`backbone: hf`; `pretrained` are
-    `PretrainedMemoryLM`'s keyword arguments, e.g. an already loaded base model)."""
-    if isinstance(cfg, dict):
-        cfg = ModelConfig.from_dict(cfg)
-    if cfg.backbone == "hf":
-        from .pretrained.wrapper import PretrainedMemoryLM
-        return PretrainedMemoryLM(cfg, **pretrained)
-    return MemoryLM(cfg)
 
 
 def bits_per_token(nll_nats: float) -> float:

@@ -54,7 +54,7 @@ import torch
 
 from model import ModelConfig, build_model
 from model.attention_kernels import sdpa_head_pad
-from model.lm import shape_class
+from model.backbones import shape_class
 from model.shapes import LayerShape, SdpaShape, SegmentShapes, StatedBlock, StatedLayer
 
 

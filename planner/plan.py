@@ -32,7 +32,7 @@ import sys
 
 from data_pipeline.shards import ShardError, load_manifest
 from memtrain.command_line import CommandParser, invalid_config
-from model import ConfigError
+from model import ConfigError, backbone_of
 from train.config import RunConfig, load_config
 from train.engine import build_ds_config, zero_stage
 from train.regime import DataRegime, TokenStreamRegime, regime_of
@@ -249,7 +249,7 @@ def report(setup: Setup, gpu: str, nodes: int, per_node: int) -> tuple[str, bool
     carried, w = _window(setup, k, mem, seg, lay)
     trained = (f" ({setup.params.trained_total:,} trained, model.hf.finetune "
                f"{m.hf.finetune})" if setup.params.frozen else "")
-    what = f"{m.hf.path} + {m.mechanism.upper()}" if m.backbone == "hf" else m.mechanism
+    what = backbone_of(m).label(m)
     lines = [f"memtrain plan: {c.name}, {what} {m.n_layer} x {m.d_model}, "
              f"{setup.params.total:,} parameters{trained}",
              f"  {nodes} x {per_node} {gpu} = {setup.world} ranks, {_gib(setup.gpu_bytes).strip()}"

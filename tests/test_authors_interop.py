@@ -279,11 +279,11 @@ def test_armt_memory_positions_follow_the_segment_or_sit_at_the_tables_end():
 
 
 def test_armt_memory_positions_are_refused_where_they_cannot_hold(ckpt):
-    from model import ConfigError
+    from model import ConfigError, resolve_shape
     section = hf_model_section(ckpt["llama"], M, L)
     section.update(mechanism="armt", armt={"memory_positions": "table_end"})
     with pytest.raises(ConfigError, match="rotary"):
-        ModelConfig.from_dict(section)
+        resolve_shape(ModelConfig.from_dict(section))
     with pytest.raises(ConfigError, match="model.armt.memory_positions"):
         ModelConfig(mechanism="armt", rmt={"num_mem_tokens": 2},
                     armt={"memory_positions": "follow"})

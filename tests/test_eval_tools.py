@@ -196,7 +196,7 @@ def test_a_checkpoint_written_with_a_field_this_code_does_not_know_is_named(runs
 # ----------------------------------------------------------------------------- generate
 @pytest.mark.slow
 def test_generate_streams_what_the_library_samples_with_the_memory_carried(runs):
-    from evaluation.generate_cli import load_for_generation
+    from evaluation.generation import load_for_generation
     from model import generate
 
     prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 0, 0, 0, 0, 1, 2, 3]

@@ -16,7 +16,7 @@ from pretrained_helpers import TINY, V, hf_model_section
 from reference import sharpened_model
 
 from evaluation.babilong import generate_answers
-from evaluation.generate_cli import DataIds
+from evaluation.generation import DataIds
 from evaluation.lm_eval_model import FreshMemory
 from model import ModelConfig, build_model, stream_generate
 from model.pretrained.incremental import CachedSegment

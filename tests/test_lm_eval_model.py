@@ -50,7 +50,7 @@ def exported(tmp_path_factory):
         model = sharpened_model(mechanism, mem_len, vocab=VOCAB.size, seg=SEG)
         out[name] = (str(save_model(model, tmp / f"{name}.safetensors")), data, model)
     # A pretrained backbone (GPT-2 family) with RMT memory tokens; its 64 embedding rows
-    # exceed the 11 data ids, so the adapter reads it through generate_cli.DataIds.
+    # exceed the 11 data ids, so the adapter reads it through generation.DataIds.
     ckpt = tiny_gpt2(tmp / "gpt2", vocab=64, n_positions=128)
     cfg = ModelConfig.from_dict({**hf_model_section(ckpt, m=3, tgt_len=SEG), "vocab_size": 64})
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ import torch
 from pretrained_helpers import TINY, V, hf_model_section
 
 from data_pipeline.streams import SegmentBatch
-from model import ConfigError, ModelConfig, build_model
+from model import ConfigError, ModelConfig, build_model, resolve_shape
 from model.pretrained.positions import memory_position_ids
 from model.rmt import rmt_allowed
 from train.bptt import run_window
@@ -80,7 +80,8 @@ def test_a_base_whose_forward_post_processes_its_logits_unknowingly_is_refused(c
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_shape_fields_come_from_the_checkpoint_config(ckpt, arch):
-    cfg = ModelConfig.from_dict(hf_model_section(ckpt(arch)))
+    cfg = resolve_shape(ModelConfig.from_dict(hf_model_section(ckpt(arch))))
+    assert cfg.hf.model_type == arch
     assert (cfg.vocab_size, cfg.d_model, cfg.n_layer, cfg.n_head) == (V, 64, 2, 4)
     assert cfg.d_inner == (128 if arch == "llama" else 256)
     # The resolved config round-trips (what checkpoints and exports store).
@@ -213,7 +214,7 @@ def test_bad_pretrained_configs_are_refused_by_name(ckpt, tmp_path):
     for change, field in cases:
         section = {**hf_model_section(path), **change}
         with pytest.raises(ConfigError) as err:
-            ModelConfig.from_dict(section)
+            resolve_shape(ModelConfig.from_dict(section))
         assert err.value.field == field, (change, err.value)
 
 
@@ -223,7 +224,7 @@ def test_a_hub_name_is_not_fetched_when_hf_hub_offline_is_set(monkeypatch, tmp_p
     import huggingface_hub.constants as c
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
     with pytest.raises(ConfigError, match="cannot read the config of 'memtrain-test/absent'"):
-        ModelConfig.from_dict(hf_model_section("memtrain-test/absent"))
+        resolve_shape(ModelConfig.from_dict(hf_model_section("memtrain-test/absent")))
 
 
 def test_memtrain_analyze_refuses_a_pretrained_backbone_by_name(ckpt, tmp_path):

@@ -33,7 +33,8 @@ from train_helpers import make_word_corpus, step_losses, train_in_process
 
 from data_pipeline.prepare import main_tasks
 from evaluation.cli import run_eval
-from evaluation.generate_cli import DataIds, main_generate
+from evaluation.generate_cli import main_generate
+from evaluation.generation import DataIds
 from model import build_model, generate, load_model
 from model.io import CONFIG_KEY
 from train import trainer

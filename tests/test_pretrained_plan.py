@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from pretrained_helpers import hf_model_section, tiny_gpt2, tiny_llama
 
-from model import ModelConfig, build_model
+from model import ModelConfig, build_model, resolve_shape
 from planner.activations import count_params
 from planner.plan import main_plan, model_states
 from planner.window import predict_window
@@ -42,7 +42,7 @@ def _cfg(checkpoints, arch: str, finetune: str, m: int = 4, tgt_len: int = 8,
          pattern: str = "paper") -> ModelConfig:
     section = hf_model_section(checkpoints[arch], m, tgt_len, finetune=finetune)
     section["rmt"]["pattern"] = pattern
-    return ModelConfig.from_dict(section)
+    return resolve_shape(ModelConfig.from_dict(section))
 
 
 @pytest.mark.parametrize("arch,finetune,depth,ckpt", [

@@ -21,7 +21,7 @@ import yaml
 # model.typed: the one typed builder of every config tree (the model's too) and its error.
 # ConfigError is re-exported from here for the layers above (cluster/, the command lines),
 # which build on the run config and need not know where in model/ it is defined.
-from model import ModelConfig
+from model import ModelConfig, backbone_of, resolve_shape
 from model.recompute import parse_policy
 from model.typed import ConfigError, build_dataclass
 
@@ -371,6 +371,12 @@ def validate(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
+def checkpoint_source(cfg: RunConfig) -> tuple[str, str] | None:
+    """(config field, value) of the pretrained checkpoint the run's model starts from, a
+    local directory or a hub name; None when its backbone reads none (model/backbones/)."""
+    return backbone_of(cfg.model).checkpoint_source(cfg.model)
+
+
 # ----------------------------------------------------------------------------- loading
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     keys = dotted.split(".")
@@ -420,9 +426,13 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple = ()) -> R
 
 def from_dict(tree: dict) -> RunConfig:
     """The typed, validated run config of a plain tree (YAML + overrides). Every section,
-    `model` and its `lamemo` / `rmt` options included, goes through the same builder."""
+    `model` and its `lamemo` / `rmt` options included, goes through the same builder; then
+    the model's shape is read where its backbone keeps it (a pretrained checkpoint's config:
+    `resolve_shape`), so a run config is whole."""
     tree = json.loads(json.dumps(tree))  # a private deep copy
-    return validate(build_dataclass(RunConfig, tree, ""))
+    cfg = build_dataclass(RunConfig, tree, "")
+    resolve_shape(cfg.model)
+    return validate(cfg)
 
 
 def dump_yaml(cfg: RunConfig) -> str:

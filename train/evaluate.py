@@ -20,7 +20,7 @@ import torch
 
 from data_pipeline.shards import Manifest
 from model import bits_per_token
-from model.pretrained.checkpoint_config import check_segment_positions
+from model.backbones import check_segment_positions
 
 from .config import EvalConfig, RunConfig
 from .distributed import all_reduce_sum
@@ -68,7 +68,7 @@ def protocol_for(cfg: RunConfig, ev: EvalConfig | None = None, split: str | None
     for key, value in changes.items():
         setattr(proto, key, value)
     m.check_lengths(proto.mem_len, proto.clamp_len, proto.same_length, "eval")
-    # A pretrained backbone's learned position table bounds the evaluation segment too.
+    # The backbone may not place every length (a learned position table ends).
     check_segment_positions(m, proto.tgt_len, "eval.tgt_len")
     return proto
 

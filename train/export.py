@@ -9,8 +9,8 @@ some parameters: the optimizer holds only those (train/engine.py build_optimizer
 they have fp32 masters. What DeepSpeed keeps of the frozen rest differs by stage (the module
 file at ZeRO-0/1/2, in the training dtype; separate "frozen fragments" at ZeRO-2/3), and none
 of it is needed: the frozen weights are the pretrained checkpoint's, which `build_model`
-loads again in fp32 from `model.hf`. So for hf only the trained names are read from the
-consolidated state (model/io.py load_trained), strictly.
+loads again in fp32 from `model.hf`. So only the names its export holds are read from the
+consolidated state (model/backbones/ `load_state`), strictly.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from model import ConfigError, ModelConfig, build_model, save_model
-from model.io import exported_names, load_trained
+from model import ConfigError, ModelConfig, backbone_of, build_model, save_model
 
 from .checkpoint import CheckpointInfo
 
@@ -117,29 +116,7 @@ def load_weights(info: CheckpointInfo, model_cfg: ModelConfig):
     """A plain (no DeepSpeed) model with the checkpoint's weights (fp32)."""
     check_model_config(info, model_cfg)
     model = build_model(model_cfg)
-    state = fp32_state_dict(info)
-    if exported_names(model) is not None:  # a pretrained backbone: its trained weights
-        own = model.state_dict()
-        strays = [n for n in state if n not in own]
-        if strays:
-            raise ValueError(f"checkpoint {info.path} does not match the model code: "
-                             f"unexpected {strays[:5]}")
-        trained = set(exported_names(model))
-        load_trained(model, {n: t for n, t in state.items() if n in trained},
-                     f"checkpoint {info.path}")
-        return model
-    # Tied weights may be stored under one name only; anything else missing is an error.
-    tied = {n for n, p in model.named_parameters(remove_duplicate=False)} - \
-        {n for n, p in model.named_parameters()}
-    own = model.state_dict()
-    missing = [n for n in own if n not in state and n not in tied]
-    unexpected = [n for n in state if n not in own]
-    shapes = [f"{n}: checkpoint {tuple(state[n].shape)}, model {tuple(own[n].shape)}"
-              for n in own if n in state and state[n].shape != own[n].shape]
-    if missing or unexpected or shapes:
-        raise ValueError(f"checkpoint {info.path} does not match the model code: missing "
-                         f"{missing[:5]}, unexpected {unexpected[:5]}, shapes {shapes[:5]}")
-    model.load_state_dict(state, strict=False)
+    backbone_of(model_cfg).load_state(model, fp32_state_dict(info), f"checkpoint {info.path}")
     return model
 
 
@@ -167,7 +144,7 @@ def load_weights_once(info: CheckpointInfo, model_cfg: ModelConfig, device: torc
     model = model.to(device)
     # Every rank builds the same names in order. A pretrained backbone's frozen weights are
     # the base every rank loaded from `model.hf`: only the trained ones travel.
-    names = exported_names(model)
+    names = backbone_of(model_cfg).exported_names(model)
     tensors = (model.state_dict().values() if names is None
                else [dict(model.named_parameters())[n] for n in names])
     with torch.no_grad():

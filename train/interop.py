@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import ModelConfig, build_model
+from model import ModelConfig, backbone_of, build_model
 from model.io import save_model
 from model.pretrained.authors_format import (
     lora_state,
@@ -165,7 +165,7 @@ def export_peft(model, out: str | Path) -> Path:
     """A peft adapter directory (adapter_config.json + adapter_model.safetensors) and, beside
     the adapter, the memory parameters and their config (MEMORY_FILE, MEMORY_CONFIG)."""
     cfg = model.cfg
-    if cfg.backbone != "hf" or cfg.hf.finetune != "lora":
+    if backbone_of(cfg).finetune(cfg) != "lora":
         raise ValueError(f"a peft adapter holds LoRA weights: this model's model.hf.finetune "
                          f"is {cfg.hf.finetune!r} (use --format memtrain or authors)")
     out = Path(out)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from model import ModelConfig, build_model
+from model import ModelConfig, backbone_of, build_model
 
 MASTER = "fp32 (master copy)"
 
@@ -34,7 +34,7 @@ def gathers_masters(model_cfg: ModelConfig, zero_stage: int) -> bool:
     whole model on every rank. Not for a pretrained backbone at ZeRO-3: its base is sharded
     because one device need not hold it whole (train/pretrained.py), so the report scores
     the training copy and says so; `memtrain eval` of the checkpoint scores the masters."""
-    return not (model_cfg.backbone == "hf" and zero_stage == 3)
+    return not (backbone_of(model_cfg).loads_checkpoint and zero_stage == 3)
 
 
 def scored_weights(precision: str, final: bool, masters: bool = True) -> str:

@@ -30,7 +30,7 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 from data_pipeline.streams import SegmentBatch
-from model import ModelConfig, build_model
+from model import ModelConfig, backbone_of, build_model
 from model.compiled import compile_core, compiled_graphs
 
 from .bptt import run_window
@@ -74,7 +74,7 @@ def _data_ptr(t: torch.Tensor) -> int | None:
 def build_for_probe(cfg: ModelConfig, precision: str, device: str = "cpu") -> torch.nn.Module:
     """The model in training mode; a pretrained backbone with random weights made from its
     checkpoint's config alone (the directory holds nothing else)."""
-    if cfg.backbone != "hf":
+    if not backbone_of(cfg).loads_checkpoint:
         return build_model(cfg).to(device, DTYPES[precision]).train()
     from transformers import AutoModelForCausalLM
 

@@ -26,7 +26,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from model import ModelConfig, build_model
+from model import ModelConfig, backbone_of, build_model
 from model.pretrained.loading import load_base
 from model.segment_lm import SegmentLM
 
@@ -34,9 +34,9 @@ from .engine import zero_stage
 
 
 def loads_sharded(model_cfg: ModelConfig, ds_config: dict) -> bool:
-    """True when the base is loaded partitioned from the start (a pretrained base at
-    ZeRO-3)."""
-    return model_cfg.backbone == "hf" and zero_stage(ds_config) == 3
+    """True when the base is loaded partitioned from the start (a backbone whose weights
+    start from a pretrained checkpoint, at ZeRO-3)."""
+    return backbone_of(model_cfg).loads_checkpoint and zero_stage(ds_config) == 3
 
 
 @contextlib.contextmanager
@@ -99,7 +99,7 @@ def build_for_engine(model_cfg: ModelConfig, ds_config: dict,
     """The model `deepspeed.initialize` gets. A pretrained base is loaded partitioned at
     ZeRO-3 (whole otherwise), and its memory drawn at the scale of the embeddings in the
     training dtype, so every stage starts from the same memory."""
-    if model_cfg.backbone != "hf":
+    if not backbone_of(model_cfg).loads_checkpoint:
         return build_model(model_cfg)
     dtype, sharded = zero_dtype(ds_config), loads_sharded(model_cfg, ds_config)
     if not sharded:

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import torch
 
-from data_pipeline.hf_tokenizer import HFVocab
-from data_pipeline.shards import MANIFEST, Manifest, ShardError, load_manifest
+from data_pipeline.shards import MANIFEST, ShardError, load_manifest
 from data_pipeline.streams import LayoutError, rows_of_rank
 from data_pipeline.synthetic import write_repeat_corpus
 from memtrain.command_line import error_line
-from model import ConfigError
+from model import ConfigError, backbone_of
 from model.io import load_initial
 
 from . import checkpoint as ckpt
@@ -59,41 +58,6 @@ def check_run(cfg: RunConfig, world_size: int, device: torch.device) -> None:
     check_precision(cfg.deepspeed.precision, device)
 
 
-def check_pretrained_vocab(cfg: RunConfig, manifest: Manifest, announce: bool = False) -> None:
-    """A pretrained model reads every id as its own token, so data from another tokenizer
-    would train it on garbage without an error (docs/pretrained_data_notes.md): "hf" data
-    must carry the fingerprint of model.hf.path's tokenizer; task and synthetic data, whose
-    ids name no text, are taken as new symbols; text in memtrain's own vocabularies is
-    refused. Ids past the embedding's rows are refused whatever the kind."""
-    hf, kind = cfg.model.hf, manifest.vocab.get("kind")
-    data = f"the data at {cfg.data.path}"
-    redo = f"prepare them with `--tokenizer hf:{hf.path}`"
-    if kind == "hf":
-        try:
-            own = HFVocab.load(hf.path, hf.revision, hf.gguf_file)
-        except ValueError as err:
-            raise ConfigError("model.hf.path", f"{err} (needed to check that {data} were "
-                              "tokenized with it)") from None
-        if manifest.vocab_fingerprint != own.fingerprint():
-            raise ConfigError("data.path", f"{data} were tokenized with "
-                              f"{manifest.vocab.get('name')} ({manifest.vocab_size} ids, "
-                              f"{manifest.vocab_fingerprint[:12]}), not with the tokenizer of "
-                              f"model.hf.path ({own.describe()}); {redo}")
-        top = int(manifest.extra.get("max_id", manifest.vocab_size - 1))
-    elif kind in ("task", "synthetic"):
-        top = manifest.vocab_size - 1
-        if announce:
-            print(f"memtrain: {data} are {kind} ids, not text of the model's tokenizer: the "
-                  f"pretrained model learns them as new symbols", flush=True)
-    else:
-        raise ConfigError("data.path", f"{data} were tokenized with memtrain's {kind!r} "
-                          f"vocabulary ({manifest.vocab_size} ids), which model.hf.path "
-                          f"{hf.path} would read as other tokens; {redo}")
-    if top >= cfg.model.vocab_size:
-        raise ConfigError("data.path", f"{data} hold ids up to {top}; the embedding of "
-                          f"model.hf.path {hf.path} has {cfg.model.vocab_size} rows")
-
-
 def open_data(cfg: RunConfig, rank: int) -> tuple[DataRegime, WindowPlan]:
     """The data regime of the manifest (generated first by rank 0 for `data.generate`),
     checked against the model, and the BPTT window plan it gives (refusing what cannot be
@@ -104,13 +68,10 @@ def open_data(cfg: RunConfig, rank: int) -> tuple[DataRegime, WindowPlan]:
     barrier()
     manifest = load_manifest(cfg.data.path)
     regime = regime_of(manifest)
-    if cfg.model.backbone == "hf":
-        check_pretrained_vocab(cfg, manifest, announce=rank == 0)
-        if cfg.model.hf.finetune == "frozen" and rank == 0:
-            regime.warn_frozen_base("memtrain train")
-    elif manifest.vocab_size > cfg.model.vocab_size:
-        raise ConfigError("model.vocab_size", f"{cfg.model.vocab_size} is smaller than the "
-                          f"data's vocabulary ({manifest.vocab_size} ids in {cfg.data.path})")
+    backbone = backbone_of(cfg.model)
+    backbone.check_training_data(cfg.model, manifest, cfg.data.path, announce=rank == 0)
+    if backbone.finetune(cfg.model) == "frozen" and rank == 0:
+        regime.warn_frozen_base("memtrain train")
     regime.check_segments(cfg.model.tgt_len, cfg.data.path)
     return regime, regime.window_plan(cfg.bptt)
 

@@ -1,7 +1,9 @@
 """model/pretrained/: RMT memory tokens around a pretrained Hugging Face causal LM.
 
-    checkpoint_config.py  the shape ModelConfig reads from the checkpoint's config; how
-                   the architecture encodes positions
+    architectures.py  the one table of supported architectures (model_type -> position
+                   scheme, feed-forward width field, planner layout, logits' post-processing)
+    checkpoint_config.py  the shape read from the checkpoint's config (a step of its own,
+                   after the ModelConfig is built); the segment lengths its positions allow
     incremental.py generation: the open segment read through the base model's KV cache
     loading.py     load the weights and tokenizer; freeze, or attach LoRA adapters (peft)
     positions.py   where the memory tokens sit: the position ids and attention pattern
@@ -11,5 +13,6 @@
 Knows nothing of DeepSpeed, MLflow or SLURM: a sharded ZeRO-3 load is train/'s business
 (train/pretrained.py), which hands this package the already-built base model.
 
-Nothing is imported here: ModelConfig reads checkpoint_config.py while it is being built.
+Nothing is imported here: the backbone interface (model/backbones/pretrained.py) imports
+checkpoint_config.py without transformers, which only building a model loads.
 """

@@ -1,10 +1,12 @@
 """What a pretrained checkpoint's own config says: the shape ModelConfig takes from it, and
-how the architecture encodes positions (the memory position policy is in positions.py).
+how the architecture encodes positions (architectures.py; the memory position policy is in
+positions.py).
 
 A local directory (what `save_pretrained` writes, or a GGUF file inside one) loads with no
 network; any other `model.hf.path` is a hub name, which transformers resolves through its
-cache and, unless HF_HUB_OFFLINE=1, the network. Imports nothing of model/ but the typed
-config error: ModelConfig calls `resolve_shape` while it is being built.
+cache and, unless HF_HUB_OFFLINE=1, the network. Reading it is a step of its own, after a
+ModelConfig is built (which reads nothing): `resolve_shape`, through the backbone interface
+(model/backbones/).
 """
 
 from __future__ import annotations
@@ -16,41 +18,40 @@ from pathlib import Path
 from memtrain.extras import missing_extra
 
 from ..typed import ConfigError
-
-# How each supported architecture encodes positions ("absolute": a learned table indexed
-# by position id; "rotary": RoPE on queries and keys). Both accept explicit position ids.
-POSITION_KINDS = {
-    "gpt2": "absolute", "gpt_neo": "absolute", "gpt_bigcode": "absolute",
-    "llama": "rotary", "mistral": "rotary", "qwen2": "rotary", "qwen3": "rotary",
-    "smollm3": "rotary", "gpt_neox": "rotary", "olmo": "rotary", "olmo2": "rotary",
-    "granite": "rotary", "phi3": "rotary",
-}
+from .architectures import architecture
 
 
 def position_kind(hf_config) -> str:
-    """The architecture's position scheme, or a ConfigError naming what is supported."""
-    kind = POSITION_KINDS.get(hf_config.model_type)
-    if kind is None:
-        raise ConfigError("model.hf.path", f"architecture {hf_config.model_type!r} is not "
-                          f"supported for memory tokens (its position policy is unstated); "
-                          f"supported: {', '.join(sorted(POSITION_KINDS))}")
-    for name in ("final_logit_softcapping", "logit_scale"):
-        if getattr(hf_config, name, None):
-            raise ConfigError("model.hf.path", f"{hf_config.model_type!r} post-processes its "
-                              f"logits ({name}), which the wrapper does not reproduce")
-    return kind
+    """The architecture's position scheme (architectures.py), or a ConfigError naming what
+    is supported."""
+    return architecture(hf_config).positions
 
 
-# ModelConfig field -> how it is read from a transformers config.
+def _d_inner(c) -> int:
+    return getattr(c, architecture(c).inner, None) or 4 * c.hidden_size
+
+
+# ModelConfig field -> how it is read from a transformers config (its attribute_map gives
+# every supported family the Llama names: hidden_size, num_hidden_layers, ...).
 _SHAPE = {
     "vocab_size": lambda c: c.vocab_size,
     "d_model": lambda c: c.hidden_size,
     "n_layer": lambda c: c.num_hidden_layers,
     "n_head": lambda c: c.num_attention_heads,
     "d_head": lambda c: getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-    "d_inner": lambda c: (getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None)
-                          or 4 * c.hidden_size),
+    "d_inner": _d_inner,
 }
+SHAPE_FIELDS = tuple(_SHAPE)
+
+
+def require_shape(cfg, what: str) -> None:
+    """A ConfigError unless the shape of `cfg` was read from its checkpoint
+    (`resolve_shape`): the defaults of the shape fields (vocab_size 256, d_model 64, ...)
+    are no pretrained model's, and nothing may use them silently."""
+    if not cfg.hf.model_type:
+        raise ConfigError("model.hf.path", f"{what} need the shape of the pretrained "
+                          f"checkpoint {cfg.hf.path!r}, which was not read yet: read it first "
+                          "(model.backbones.resolve_shape; load_config and build_model do)")
 
 
 def _source(opts) -> dict:
@@ -92,30 +93,38 @@ def hf_config(opts):
     return _hf_config(opts.path, opts.revision, opts.gguf_file)
 
 
-def resolve_shape(cfg) -> None:
-    """Fill ModelConfig's shape fields from the checkpoint's config. A field the user set to
-    another value than the checkpoint's is refused by name (nothing is overridden silently);
-    a segment that would run past a learned position table is refused too."""
+def resolve_shape(cfg):
+    """Fill ModelConfig's shape fields (and `model.hf.model_type`, which marks them read)
+    from the checkpoint's config, and validate the config again with them. A field the user
+    set to another value than the checkpoint's is refused by name (nothing is overridden
+    silently); a segment that would run past a learned position table is refused too.
+    Returns `cfg`, changed in place; reading an already read config again checks it."""
     hf = hf_config(cfg.hf)
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    for name, read in _SHAPE.items():
-        value = int(read(hf))
+    read = {name: int(how(hf)) for name, how in _SHAPE.items()}
+    for name, value in read.items():
         given = getattr(cfg, name)
         if given not in (defaults[name], value):
             raise ConfigError(f"model.{name}", f"is read from the pretrained config "
                               f"({value}); remove it from the config (got {given})")
-        setattr(cfg, name, value)
+    if cfg.hf.model_type not in ("", hf.model_type):
+        raise ConfigError("model.hf.model_type", f"is read from the pretrained config "
+                          f"({hf.model_type!r}); remove it from the config (got "
+                          f"{cfg.hf.model_type!r})")
     _check_table(hf, cfg, cfg.tgt_len, "model.tgt_len")
+    for name, value in read.items():
+        setattr(cfg, name, value)
+    cfg.hf.model_type = hf.model_type
+    cfg.validate()
+    return cfg
 
 
 def check_segment_positions(cfg, seg_len: int, option: str) -> None:
     """Refuse a segment length that runs past a learned position table, with a ConfigError
     naming `option` (where the length came from: "seg_len", "eval.tgt_len", "--seg-len").
-    Every tool that reads a model at another segment length than `cfg.tgt_len` calls this
-    first (a table indexed past its end is an IndexError deep in the base model). Native
-    models and rotary positions have no table: nothing to check."""
-    if cfg.backbone != "hf":
-        return
+    Every tool that reads a model at another segment length than `cfg.tgt_len` asks its
+    backbone first (model/backbones/: a table indexed past its end is an IndexError deep in
+    the base model). Rotary positions have no table: nothing to check."""
     _check_table(hf_config(cfg.hf), cfg, seg_len, option)
 
 

@@ -3,11 +3,11 @@ load-time check that the wrapper makes the same.
 
 The wrapper runs the base model's decoder stack itself (`base.base_model`) and applies the
 head itself, so whatever the architecture's `*ForCausalLM.forward` does to the logits after
-the head must be done here too. Of the architectures checkpoint_config.POSITION_KINDS lists,
-in transformers 5.24 (models/<model_type>/modeling_<model_type>.py) only Granite does
-anything: it divides the logits by `config.logits_scaling`. The others return the head's
-output as is. An architecture that post-processes in a way not listed here is caught when
-the model is built (`check_logits`), rather than trained on wrong logits.
+the head must be done here too: the `logits` of its entry in architectures.py (of the
+architectures listed there, in transformers 5.24 only Granite does anything; the others
+return the head's output as is). An architecture that post-processes in a way not listed
+here is caught when the model is built (`check_logits`), rather than trained on wrong
+logits.
 """
 
 from __future__ import annotations
@@ -15,11 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..typed import ConfigError
-
-# model_type -> what its forward does to the head's output (transformers 5.24).
-_POST = {
-    "granite": lambda logits, config: logits / config.logits_scaling,
-}
+from .architectures import ARCHITECTURES
 
 PROBE_TOKENS = 4
 # The two paths run the same modules on the same input, so they agree to the last bit in
@@ -32,7 +28,8 @@ def lm_logits(base, hidden: torch.Tensor) -> torch.Tensor:
     """The logits `base`'s own forward computes from `hidden` (its decoder's last hidden
     states after the final norm): the output head, then the architecture's post-processing."""
     logits = base.get_output_embeddings()(hidden)
-    post = _POST.get(base.config.model_type)
+    arch = ARCHITECTURES.get(base.config.model_type)
+    post = arch.logits if arch is not None else None
     return post(logits, base.config) if post is not None else logits
 
 

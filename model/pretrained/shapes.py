@@ -50,38 +50,10 @@ from dataclasses import dataclass
 
 from ..shapes import SdpaShape, SegmentShapes, StatedBlock, StatedLayer, TensorShape
 from ..typed import ConfigError
+from .architectures import ARCHITECTURES, GPT2, Layout, architecture, planned
 from .associative import associative_shapes
-from .checkpoint_config import hf_config, position_kind
+from .checkpoint_config import SHAPE_FIELDS, hf_config, require_shape
 
-
-@dataclass(frozen=True)
-class Layout:
-    """Where the parts of one decoder layer are, as module names inside the layer."""
-
-    norm: str                      # "rms" (fp32 upcast) or "layer" (LayerNorm)
-    attn_norm: str
-    qkv: tuple[str, ...]           # projections reading the normalised layer input
-    out: str
-    ffn_norm: str
-    ffn_in: tuple[str, ...]        # gate and up (gated) or the first matmul
-    ffn_out: str
-    gated: bool                    # act(gate(x)) * up(x) (SwiGLU), or act(fc(x))
-    layers: str                    # the base model's list of decoder layers
-    act_field: str                 # the config field naming the activation
-    final_norm: str                # module names inside the base model
-    embeddings: tuple[str, ...]
-    dropouts: tuple[str, str]      # config fields: residual dropout, embedding dropout
-
-
-LLAMA = Layout("rms", "input_layernorm", ("self_attn.q_proj", "self_attn.k_proj",
-                                          "self_attn.v_proj"), "self_attn.o_proj",
-               "post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj",
-               gated=True, layers="layers", act_field="hidden_act", final_norm="norm",
-               embeddings=("embed_tokens",), dropouts=("", ""))
-GPT2 = Layout("layer", "ln_1", ("attn.c_attn",), "attn.c_proj", "ln_2", ("mlp.c_fc",),
-              "mlp.c_proj", gated=False, layers="h", act_field="activation_function",
-              final_norm="ln_f", embeddings=("wte", "wpe"), dropouts=("resid_pdrop", "embd_pdrop"))
-LAYOUTS = {"llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA, "gpt2": GPT2}
 # [B, Q, I] tensors an activation keeps: its input (SiLU, exact and tanh GELU kernels), or
 # the four of transformers' Python tanh GELU (module docstring).
 ACTIVATION_SAVES = {"silu": 1, "swish": 1, "gelu": 1, "gelu_pytorch_tanh": 1, "relu": 1,
@@ -124,11 +96,13 @@ class Base:
 
 
 def layout(hf) -> Layout:
-    lay = LAYOUTS.get(hf.model_type)
+    """The planner's layout of the checkpoint's architecture (architectures.py), or a
+    ConfigError naming the architectures it has one for."""
+    lay = architecture(hf).layout
     if lay is None:
         raise ConfigError("model.hf.path", f"`memtrain plan` has no segment shapes for "
                           f"{hf.model_type!r} (model/pretrained/shapes.py); planned "
-                          f"architectures: {', '.join(sorted(LAYOUTS))}")
+                          f"architectures: {', '.join(planned())}")
     act = getattr(hf, lay.act_field)
     if act not in ACTIVATION_SAVES:
         raise ConfigError("model.hf.path", f"`memtrain plan` does not count the activation "
@@ -178,7 +152,7 @@ def _base(key: str) -> Base:
         dropout=float(getattr(hf, lay.dropouts[0], 0.0) or 0.0) if lay.dropouts[0] else 0.0,
         embd_dropout=float(getattr(hf, lay.dropouts[1], 0.0) or 0.0) if lay.dropouts[1]
         else 0.0,
-        rotary=position_kind(hf) == "rotary",
+        rotary=architecture(hf).positions == "rotary",
         linears={n: _linear(layer.get_submodule(n)) for n in names},
         norm_trains={lay.attn_norm: norm(layer.get_submodule(lay.attn_norm)),
                      lay.ffn_norm: norm(layer.get_submodule(lay.ffn_norm)),
@@ -203,11 +177,14 @@ def _base(key: str) -> Base:
 
 
 def base_facts(cfg) -> Base:
-    """The meta model's facts for `cfg` (a ModelConfig with `backbone: hf`); independent of
-    the segment length, so one build serves every length the planner tries."""
+    """The meta model's facts for `cfg` (a ModelConfig with `backbone: hf` whose shape was
+    read); independent of the segment length, so one build serves every length the planner
+    tries."""
+    require_shape(cfg, "the planner's segment shapes")
     key = {"mechanism": cfg.mechanism, "backbone": "hf", "mem_len": 0, "tgt_len": 1,
            "rmt": {"num_mem_tokens": cfg.rmt.num_mem_tokens},
-           "armt": dataclasses.asdict(cfg.armt), "hf": dataclasses.asdict(cfg.hf)}
+           "armt": dataclasses.asdict(cfg.armt), "hf": dataclasses.asdict(cfg.hf),
+           **{name: getattr(cfg, name) for name in SHAPE_FIELDS}}
     return _base(json.dumps(key, sort_keys=True))
 
 
@@ -280,7 +257,7 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
     (a pretrained backbone keeps no XL cache). The backward phases were read off the
     allocator's events of each backward node (benchmarks/bench_memory_plan.py)."""
     f = base_facts(cfg)
-    lay = LAYOUTS[f.model_type]
+    lay = ARCHITECTURES[f.model_type].layout
     b, m, n = rows, cfg.rmt.num_mem_tokens, cfg.tgt_len
     armt = cfg.mechanism == "armt"
     q = n + m if armt else 2 * m + n     # [tokens | memory] or [read | tokens | write]

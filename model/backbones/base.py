@@ -1,0 +1,104 @@
+"""The backbone interface: everything the house asks of a backbone, asked the same way of
+the native stack (native.py) and of a pretrained Hugging Face model (pretrained.py).
+
+A backbone is looked up by `model.backbone` in the registry (model/backbones/__init__.py)
+and asked; no caller branches on its name. What the model config itself must know of it to
+validate (its XL cache, its memory and positions, whether its shape comes from a checkpoint)
+is its `traits` entry in model/config.py, under the same name.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from ..config import BACKBONE_TRAITS, BackboneTraits, ConfigError
+
+
+class Backbone:
+    """The defaults are the native stack's answers where there is a natural one."""
+
+    name: ClassVar[str]
+    # Its weights start from a checkpoint that one device need not hold: at ZeRO-3 train/
+    # loads it partitioned (train/pretrained.py), and the final report of a half-precision
+    # run does not gather its fp32 masters whole (train/master_weights.py).
+    loads_checkpoint: ClassVar[bool] = False
+    # `memtrain analyze` records attention maps and memory through the native stack's hooks
+    # (evaluation/analysis.py); a backbone without them is refused by name.
+    records_analysis: ClassVar[bool] = False
+
+    @property
+    def traits(self) -> BackboneTraits:
+        return BACKBONE_TRAITS[self.name]
+
+    # ------------------------------------------------------------------ the config
+    def resolve_shape(self, cfg):
+        """Read the shape fields of `cfg` from wherever they come from, in place; returns
+        `cfg`. The native stack's are its config's own: nothing to read."""
+        return cfg
+
+    def require_shape(self, cfg, what: str) -> None:
+        """A ConfigError naming the missing step when `what` needs a shape not read yet."""
+
+    def label(self, cfg) -> str:
+        """What `memtrain plan` calls the model in its first line."""
+        return cfg.mechanism
+
+    def finetune(self, cfg) -> str:
+        """Which of its weights train: "full" (all), "frozen" (none: only the memory) or
+        "lora" (low-rank adapters and the memory)."""
+        return "full"
+
+    def checkpoint_source(self, cfg) -> tuple[str, str] | None:
+        """(config field, value) of the pretrained checkpoint a job reads, a local directory
+        or a hub name (what `memtrain submit` pins or notes before sbatch); None: none."""
+        return None
+
+    # ------------------------------------------------------------------ the model
+    def build(self, cfg, **kwargs):
+        """The SegmentLM (model/segment_lm.py) of `cfg`, its shape read."""
+        raise NotImplementedError
+
+    def shape_class(self, cfg):
+        """What states a segment's shapes for the planner (`segment_shapes`, model/shapes.py;
+        optionally `parameter_counts`)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the weights
+    def exported_names(self, model) -> list[str] | None:
+        """The parameter names an export of `model` holds; None: its whole state dict."""
+        return None
+
+    def export_metadata(self, cfg) -> dict[str, str]:
+        """Metadata an export carries beyond the model config (model/io.py)."""
+        return {}
+
+    def write_weights(self, model, filename: str, metadata: dict[str, str]) -> None:
+        """Write the export's tensors to the safetensors file `filename`."""
+        raise NotImplementedError
+
+    def load_weights(self, model, path: str, device) -> None:
+        """Load an export written by `write_weights` into `model` (built from its config),
+        strictly."""
+        raise NotImplementedError
+
+    def load_state(self, model, state: dict, source: str) -> None:
+        """Load a consolidated training checkpoint's fp32 state (train/export.py) into
+        `model`: what its export holds, strictly (ValueError naming `source`)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the data
+    def fits_vocabulary(self, cfg, n_ids: int) -> bool:
+        """Whether a trained model reads data of `n_ids` ids: the native stack's softmax is
+        its data's vocabulary, exactly."""
+        return n_ids == cfg.vocab_size
+
+    def check_training_data(self, cfg, manifest, data_path: str, announce: bool) -> None:
+        """Refuse (ConfigError) data `cfg` cannot be trained on: ids past its embedding."""
+        if manifest.vocab_size > cfg.vocab_size:
+            raise ConfigError("model.vocab_size", f"{cfg.vocab_size} is smaller than the "
+                              f"data's vocabulary ({manifest.vocab_size} ids in {data_path})")
+
+    # ------------------------------------------------------------------ positions
+    def check_segment_positions(self, cfg, seg_len: int, option: str) -> None:
+        """Refuse (ConfigError naming `option`) a segment length the backbone cannot place;
+        relative positions place any."""
