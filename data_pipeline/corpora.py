@@ -33,7 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .bpe import BPEVocab
-from .corpus_files import expand_globs, resolve_files
+from .find_files import expand_globs, resolve_files
 from .hf_tokenizer import HFVocab, hf_name
 from .vocab import ByteVocab, SymbolVocab, Vocab, WordVocab
 

@@ -8,7 +8,7 @@ vocabulary hashes the token -> id map (every entry, added tokens included) and t
 not where the tokenizer was loaded from: the same tokenizer read from a hub name and from a
 local copy has one fingerprint; two tokenizers of one size that differ in a single token have
 two. The manifest's `vocab` also records the name (a local directory as an absolute path) and
-the revision, to reload the tokenizer (`vocabs.vocab_from_dict`).
+the revision, to reload the tokenizer (`vocab_by_kind.vocab_from_dict`).
 
 Size. `size` is the number of ids the tokenizer can produce, max(len(tokenizer), largest id
 + 1). It may differ from the checkpoint config's `vocab_size` (the embedding rows): larger

@@ -11,8 +11,8 @@ Five kinds, one interface (`Vocab`):
 - `BPEVocab`    byte-level BPE trained with the `tokenizers` library (bpe.py).
 - `HFVocab`     a pretrained checkpoint's own tokenizer, kind "hf" (hf_tokenizer.py).
 
-`to_dict()` is complete (the shard manifest stores it and `vocabs.vocab_from_dict` rebuilds
-the same vocabulary; an "hf" one names the checkpoint to reload its tokenizer from);
+`to_dict()` is complete (the shard manifest stores it and `vocab_by_kind.vocab_from_dict`
+rebuilds the same vocabulary; an "hf" one names the checkpoint to reload its tokenizer from);
 `fingerprint(d)` hashes a vocabulary description's canonical JSON, and `Vocab.fingerprint()`
 is that of `to_dict()`, except for "hf", where it is that of the token map and size alone
 (not where the tokenizer was loaded from). `encode_stream` tokenizes a byte stream given in

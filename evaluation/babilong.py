@@ -40,7 +40,7 @@ from data_pipeline.shards import (
     iter_shard_members,
     load_manifest,
 )
-from data_pipeline.vocabs import vocab_from_dict
+from data_pipeline.vocab_by_kind import vocab_from_dict
 from model import stream_generate
 from train.regime import regime_of
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from data_pipeline.shards import load_manifest
-from data_pipeline.vocabs import vocab_from_dict
+from data_pipeline.vocab_by_kind import vocab_from_dict
 from model import ConfigError, backbone_of, load_model
 from model.open_segment import open_segment
 from train.checkpoint import MARKER

@@ -14,7 +14,7 @@ from data_pipeline.babilong.cli import main_babilong
 from data_pipeline.shards import load_manifest, read_episodes
 from data_pipeline.streams import EpisodeStream, LayoutError
 from data_pipeline.vocab import ByteVocab
-from data_pipeline.vocabs import vocab_from_dict
+from data_pipeline.vocab_by_kind import vocab_from_dict
 
 
 def _background(path, first: int, n: int):

@@ -21,7 +21,7 @@ from data_pipeline.babilong.cli import main_babilong
 from data_pipeline.shard_writer import write_episode_split, write_manifest
 from data_pipeline.shards import Manifest, id_dtype
 from data_pipeline.vocab import WordVocab
-from data_pipeline.vocabs import vocab_from_dict
+from data_pipeline.vocab_by_kind import vocab_from_dict
 from evaluation import babilong as B
 from evaluation.babilong_score import is_correct
 from evaluation.cli import main_eval

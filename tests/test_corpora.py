@@ -18,7 +18,7 @@ from data_pipeline.bpe import BPEVocab
 from data_pipeline.corpora import CORPORA, HELDOUT_BYTES, open_corpus
 from data_pipeline.download import SOURCES, ChecksumError, Remote, extract_member, fetch
 from data_pipeline.vocab import ByteVocab, SymbolVocab, WordVocab, dtype_for
-from data_pipeline.vocabs import vocab_from_dict
+from data_pipeline.vocab_by_kind import vocab_from_dict
 
 H = 64  # held-out bytes (valid and test each) in the tiny enwik8/text8 files
 

@@ -43,7 +43,7 @@ def test_prepare_command_shards_a_text_corpus_that_streams_back_in_order(tmp_pat
     m = load_manifest(out)
     assert m.kind == "tokens" and sum(s.n_tokens for s in m.splits.values()) == len(text)
     from data_pipeline.streams import TokenStream
-    from data_pipeline.vocabs import vocab_from_dict
+    from data_pipeline.vocab_by_kind import vocab_from_dict
 
     vocab = vocab_from_dict(m.vocab)
     stream = TokenStream(m, "train", 1, 64, expected_vocab=vocab.fingerprint())
