@@ -16,9 +16,10 @@ import warnings
 from pathlib import Path
 
 import pytest
-from mlflow import MlflowClient
 
 # mlflow_server_fixture provides the `mlflow_server` fixture: pytest collects it from here.
+from daemons import run_ok
+from mlflow import MlflowClient
 from mlflow_server import free_port, mlflow_server_fixture, start_mlflow_server  # noqa: F401
 
 from train.run_dir import HEALTH_TIMEOUT_S
@@ -265,6 +266,20 @@ def test_unreachable_server_warns_once_and_keeps_local_metrics(tmp_path, server)
     assert (run_dir / "loss_curve.png").exists()
 
 
+def test_a_test_server_never_takes_a_foreign_listener_on_its_port_for_itself(tmp_path,
+                                                                           monkeypatch):
+    # tests/mlflow_server.py picks a free port; were it taken before the server binds, the
+    # process listening there (here: this test) is named and refused, on every try.
+    import mlflow_server
+
+    with socket.socket() as foreign:
+        foreign.bind(("127.0.0.1", 0))
+        foreign.listen()
+        monkeypatch.setattr(mlflow_server, "free_port", lambda: foreign.getsockname()[1])
+        with pytest.raises(RuntimeError, match=rf"port taken by pid {os.getpid()} \("):
+            start_mlflow_server(tmp_path / "server")
+
+
 @pytest.mark.slow  # starts a real mlflow server (~10 s)
 def test_server_dying_mid_run_warns_once_and_keeps_local_metrics(tmp_path):
     uri, stop = start_mlflow_server(tmp_path / "server")
@@ -321,8 +336,7 @@ def test_disabled_tracker_writes_nothing_and_does_not_import_mlflow(tmp_path):
             f"t = Tracker({str(run_dir)!r}, enabled=False); "
             "t.log_metrics({'loss': 1.0}, step=1); t.close(); "
             "print('mlflow' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=Path(__file__).parents[1], check=True)
+    out = run_ok([sys.executable, "-c", code], cwd=Path(__file__).parents[1])
     assert out.stdout.strip() == "False"
     assert not run_dir.exists()
 

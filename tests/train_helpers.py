@@ -7,13 +7,13 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import yaml
+from daemons import free_port  # noqa: F401  (the tests import it from here)
 from slurm_cluster import LAUNCHER_VARIABLES
 
 from data_pipeline.shard_writer import write_manifest, write_token_split
@@ -69,12 +69,6 @@ def tiny_config(tmp: Path, name: str = "t", **sections) -> Path:
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_env(extra: dict | None = None) -> dict:
