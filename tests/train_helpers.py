@@ -158,6 +158,29 @@ def copy_run(run_dir: Path, tmp: Path, name: str) -> Path:
     return path
 
 
+def rewind_run(run_dir: Path, step: int) -> None:
+    """Turn a (copied) finished run into the run as a stop at `step` leaves it, `step` being
+    one of its checkpoints: the later checkpoints removed and `latest` naming this one, the
+    metrics of later steps and the end's outputs (exported weights, evaluation, curve)
+    gone, its status "interrupted". What the continued run then shows is its own."""
+    from train.checkpoint import LATEST, complete_checkpoints
+
+    checkpoints = run_dir / "checkpoints"
+    kept = [info for info in complete_checkpoints(checkpoints) if info.step <= step]
+    assert kept and kept[-1].step == step, f"no checkpoint at step {step} in {run_dir}"
+    for info in complete_checkpoints(checkpoints):
+        if info.step > step:
+            shutil.rmtree(info.path)
+    (checkpoints / LATEST).write_text(kept[-1].path.name)
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    (run_dir / "metrics.jsonl").write_text("".join(
+        f"{row}\n" for row in rows if json.loads(row).get("step", 0) <= step
+        and "final_loss" not in json.loads(row)))
+    for name in ("model.safetensors", "eval_report.json", "loss_curve.png"):
+        (run_dir / name).unlink(missing_ok=True)
+    (run_dir / "status.json").write_text(json.dumps({"state": "interrupted", "step": step}))
+
+
 def train_in_process(cfg, monkeypatch) -> None:
     """`train.trainer.train(cfg)` in this process, a world of one over gloo, left as found:
     the rank variables set for the run only, no DeepSpeed backend from an earlier engine,
