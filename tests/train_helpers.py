@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -95,8 +96,20 @@ def train_cmd(config: Path, overrides=(), nproc: int = 1, launcher: str = "torch
 
 def run_train(config: Path, overrides=(), nproc: int = 1, launcher: str = "torchrun",
               env: dict | None = None, timeout: int = 600, check: bool = True):
-    done = subprocess.run(train_cmd(config, overrides, nproc, launcher), cwd=ROOT,
-                          env=child_env(env), capture_output=True, text=True, timeout=timeout)
+    cmd = train_cmd(config, overrides, nproc, launcher)
+    # Its own process group: past the timeout the launcher AND its ranks are killed (killing
+    # only the launcher, as subprocess.run does, left the ranks running, orphaned, slowing
+    # every later test on the machine).
+    with subprocess.Popen(cmd, cwd=ROOT, env=child_env(env), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise AssertionError(f"training still running after {timeout} s, killed:\n"
+                                 f"{out[-4000:]}\n{err[-6000:]}") from None
+    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if check and done.returncode != 0:
         raise AssertionError(f"training failed ({done.returncode}):\n{done.stdout[-4000:]}\n"
                              f"{done.stderr[-6000:]}")
@@ -187,8 +200,6 @@ def train_in_process(cfg, monkeypatch) -> None:
     the signal handlers the trainer installs put back, and DeepSpeed's cached groups of the
     process group that train() leaves released too (as deepspeed.comm.destroy_process_group
     does), or the next engine made in this process finds them."""
-    import signal
-
     import deepspeed.comm.comm as ds_comm
     from deepspeed.utils import groups
 
