@@ -95,11 +95,12 @@ def train_cmd(config: Path, overrides=(), nproc: int = 1, launcher: str = "torch
 
 
 def run_train(config: Path, overrides=(), nproc: int = 1, launcher: str = "torchrun",
-              env: dict | None = None, timeout: int = 600, check: bool = True):
+              env: dict | None = None, timeout: int = 1200, check: bool = True):
     cmd = train_cmd(config, overrides, nproc, launcher)
-    # Its own process group: past the timeout the launcher AND its ranks are killed (killing
-    # only the launcher, as subprocess.run does, left the ranks running, orphaned, slowing
-    # every later test on the machine).
+    # `timeout` guards against a hung run only: 2 ranks beside a busy suite on 2 cores have
+    # taken over 10 minutes to their first step. The launch is its own process group: past
+    # the timeout the launcher AND its ranks are killed (killing only the launcher, as
+    # subprocess.run does, left the ranks running, orphaned, slowing every later test).
     with subprocess.Popen(cmd, cwd=ROOT, env=child_env(env), stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
         try:
