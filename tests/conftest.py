@@ -62,9 +62,9 @@ def zero_run(tmp_path_factory):
 
 # Running the suite on several workers (pytest-xdist, `-n 2 --dist loadfile`, as .ci/run
 # does; docs/testing.md): a module is one unit of work, so its module-scoped fixtures (a
-# compiled model, an MLflow server, a SLURM cluster) are built once, on one worker. What is
-# shared across modules shares itself: the SLURM cluster by a machine-wide lock
-# (tests/slurm_cluster.py), the session's ZeRO runs by a lock in the session's folder (above).
+# compiled model, an MLflow server, a SLURM cluster) are built once, on one worker. Daemons
+# take free ports of their own (tests/daemons.py), so two workers' SLURM clusters run side by
+# side; the session's ZeRO runs are shared by a lock in the session's folder (above).
 # Modules with slow tests are handed out first, so that the workers end together instead of
 # one running the last long module alone.
 def pytest_collection_modifyitems(config, items):

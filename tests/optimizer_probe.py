@@ -5,7 +5,12 @@ resume, gathered in full fp32 on rank 0:
 
     {"step": sorted Adam step values, "exp_avg": {parameter: flat tensor}, "exp_avg_sq": ...}
 
-    torchrun --nproc_per_node N tests/optimizer_probe.py <config.yaml> <out.pt>
+    torchrun --nproc_per_node N tests/optimizer_probe.py <config.yaml> <out.pt> [--train-on
+        override ...]
+
+With --train-on the run then trains on as `python -m train` would, with the overrides
+(max_steps=N): one launch both reads the restored state and continues the run (the Adam
+state is only read, so the steps after it are those of a plain resume).
 """
 
 import sys
@@ -39,13 +44,17 @@ def adam_state(engine) -> dict:
     return out
 
 
+TRAIN_ON = "--train-on" in sys.argv
+OVERRIDES = sys.argv[sys.argv.index("--train-on") + 1:] if TRAIN_ON else []
+
+
 class Probe(TrainingLoop):
     def run(self) -> str:
         state = adam_state(self.engine)
         if self.env.is_main:
             torch.save(state, sys.argv[2])
-        return "finished"
+        return super().run() if TRAIN_ON else "finished"
 
 
 trainer.TrainingLoop = Probe
-sys.exit(trainer.main_entry(load_config(sys.argv[1], []), resume="require"))
+sys.exit(trainer.main_entry(load_config(sys.argv[1], OVERRIDES), resume="require"))

@@ -8,32 +8,34 @@ pid. Raises `SlurmUnavailable` with the reason when SLURM cannot be started here
 `start_cluster_for_test(dir)` turns that into a skip, or a failure under
 MEMTRAIN_REQUIRE_SLURM=1 (CI), where the tests must run.
 
-One cluster per machine at a time: slurmctld and slurmd listen on fixed ports, and a second
-pair fails to bind them (its node then never responds). A cluster holds a machine-wide lock
-from start to stop, so test processes running side by side (the suite's workers, two
-checkouts' suites) take turns instead of breaking each other's cluster.
+Each cluster listens on ports of its own: SlurmctldPort and SlurmdPort are free ports picked
+when its slurm.conf is written (SLURM's defaults, 6817 and 6818, may be held by a site's
+SLURM or another checkout's suite). Once the daemons are up, the processes listening on those
+ports must be this cluster's slurmctld and slurmd; a foreign process there is refused by
+name (`SlurmUnavailable`), never silently used. So clusters of test processes running side by
+side (the suite's two workers, two checkouts' suites) run at the same time, each with its own
+state and spool folders.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import re
 import shutil
 import signal
 import stat
 import subprocess
-import tempfile
 import time
 from pathlib import Path
+
+from daemons import free_port, listeners
 
 
 class SlurmUnavailable(RuntimeError):
     pass
 
 
-LOCK = Path(tempfile.gettempdir()) / "memtrain-tests-slurm.lock"
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -63,22 +65,16 @@ def start_cluster(d: Path, gpus: int = 0):
             raise SlurmUnavailable(f"{tool} not installed (apt-get install slurm-wlm munge)")
     if os.geteuid() != 0:
         raise SlurmUnavailable("starting slurmd needs root")
-    lock = LOCK.open("a")
-    fcntl.flock(lock, fcntl.LOCK_EX)   # waits while another process has its cluster up
-    try:
-        return _start_locked(Path(d).absolute(), lock, gpus)
-    except BaseException:
-        lock.close()                   # closing the file releases the lock
-        raise
-
-
-def _start_locked(d: Path, lock, gpus: int = 0):
+    d = Path(d).absolute()
     for sub in ("state", "spool", "log"):
         (d / sub).mkdir(parents=True, exist_ok=True)
     probe = _run(["slurmd", "-C"]).stdout
     cpus = int(re.search(r"CPUs=(\d+)", probe).group(1))
     mem = int(re.search(r"RealMemory=(\d+)", probe).group(1)) - 512
     conf = d / "slurm.conf"
+    ports = {"slurmctld": free_port(), "slurmd": free_port()}
+    while ports["slurmd"] == ports["slurmctld"]:
+        ports["slurmd"] = free_port()
     node = f"NodeName=localhost CPUs={cpus} RealMemory={mem}"
     if gpus:
         node += f" Gres=gpu:fake:{gpus}"
@@ -91,6 +87,7 @@ def _start_locked(d: Path, lock, gpus: int = 0):
                                      f"File={d}/fakegpu[0-{gpus - 1}]\n")
     conf.write_text("\n".join([
         "ClusterName=memtrain-test", "SlurmctldHost=localhost", "SlurmUser=root",
+        f"SlurmctldPort={ports['slurmctld']}", f"SlurmdPort={ports['slurmd']}",
         "SlurmdUser=root", "AuthType=auth/munge", f"StateSaveLocation={d}/state",
         f"SlurmdSpoolDir={d}/spool", f"SlurmctldPidFile={d}/slurmctld.pid",
         f"SlurmdPidFile={d}/slurmd.pid", f"SlurmctldLogFile={d}/log/slurmctld.log",
@@ -108,11 +105,10 @@ def _start_locked(d: Path, lock, gpus: int = 0):
             with contextlib.suppress(OSError, ValueError):
                 pids.append(int((d / name).read_text()))
                 os.kill(pids[-1], signal.SIGTERM)
-        # The next cluster binds the same ports: hand the lock on only once these are gone.
+        # Gone before the next test starts (a killed job's steps end with slurmd).
         deadline = time.time() + 30
         while time.time() < deadline and any(_alive(pid) for pid in pids):
             time.sleep(0.1)
-        lock.close()
 
     # A job's ranks come from SLURM; a launcher's variables left in this process (RANK, ...)
     # would override SLURM_PROCID in every task (train.distributed.resolve_env).
@@ -125,13 +121,32 @@ def _start_locked(d: Path, lock, gpus: int = 0):
             stop()
             raise SlurmUnavailable(f"{cmd[0]} failed: {done.stderr.strip()}")
 
-    for _ in range(100):
+    # The node registers within seconds on an idle machine; under load (slurmd and
+    # slurmctld starting beside a busy test suite) it has taken 30 s.
+    deadline, state = time.monotonic() + 120, ""
+    while time.monotonic() < deadline:
         state = _run(["sinfo", "-h", "-o", "%T"], env=env).stdout.strip()
         if state == "idle":
+            try:
+                _own_ports(d, ports)
+            except SlurmUnavailable:
+                stop()
+                raise
             return env, stop
         time.sleep(0.2)
     stop()
-    raise SlurmUnavailable(f"node not idle (state {state!r}); see {d}/log")
+    raise SlurmUnavailable(f"node not idle after 120 s (state {state!r}); see {d}/log")
+
+
+def _own_ports(d: Path, ports: dict[str, int]) -> None:
+    """The processes listening on the cluster's ports are its own daemons (pid files)."""
+    for daemon, port in ports.items():
+        pid = int((d / f"{daemon}.pid").read_text())
+        held = listeners(port)
+        if pid not in held:
+            foreign = ", ".join(f"pid {p} ({cmd})" for p, cmd in held.items()) or "nothing"
+            raise SlurmUnavailable(f"{daemon} of {d} (pid {pid}) does not listen on its port "
+                                   f"{port}: {foreign} does; see {d}/log")
 
 
 def _alive(pid: int) -> bool:

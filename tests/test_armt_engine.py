@@ -6,7 +6,7 @@ weights as ZeRO-0)."""
 
 import pytest
 import torch
-from train_helpers import run_train, step_losses, tiny_config
+from train_helpers import copy_run, rewind_run, run_train, step_losses, tiny_config
 
 from train.checkpoint import find_latest, load_rank_payload
 
@@ -18,11 +18,13 @@ SECTIONS = dict(model={"mechanism": "armt", "mem_len": 0, "dropout": 0.1, "pre_l
 
 
 def test_a_stopped_armt_run_resumes_bit_for_bit_with_its_memory(tmp_path):
-    straight = tiny_config(tmp_path, "straight", max_steps=12, **SECTIONS)
+    # The uninterrupted run saves at step 6 on its way; a copy of it, rewound to that
+    # checkpoint, is the run stopped there (one launch fewer than training it again).
+    straight = tiny_config(tmp_path, "straight", max_steps=12, save_every=6, **SECTIONS)
     run_train(straight)
-    cfg = tiny_config(tmp_path, "stopped", max_steps=12, save_every=6, **SECTIONS)
+    cfg = copy_run(tmp_path / "runs" / "straight", tmp_path, "stopped")
     run_dir = tmp_path / "runs" / "stopped"
-    run_train(cfg, ["max_steps=6"])
+    rewind_run(run_dir, 6)
     info = find_latest(run_dir / "checkpoints")
     assert info.step == 6
     memory = load_rank_payload(info, 0)["memory"]

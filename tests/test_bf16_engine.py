@@ -5,9 +5,10 @@ sums), LaMemo at ZeRO-2, RMT with a BPTT window and segment checkpointing at ZeR
 - the losses follow the fp32 run of the same seed, rows and dropout masks (conftest.zero_run);
 - the checkpoint holds what train/precision.py says: bf16 module weights, fp32 master weights
   and Adam moments, every row's memory in bf16; the exported weights are the fp32 masters;
-- a run stopped at step 6 and continued reproduces the uninterrupted bf16 run bit for bit;
-- the stopped run continues on 1 rank through DeepSpeed's universal conversion of its bf16
-  checkpoint.
+- the run continued from its step-6 checkpoint reproduces the uninterrupted bf16 run bit for
+  bit;
+- continued from that checkpoint on 1 rank, through DeepSpeed's universal conversion of its
+  bf16 checkpoint, it goes on learning.
 
 Tolerance of bf16 against fp32: bf16 rounds every matmul input and activation to 8 bits of
 mantissa (relative error up to 2^-9 = 0.2%), so a step's loss moves by a few 1e-3 nats at
@@ -27,6 +28,7 @@ from train_helpers import (
     ROOT,
     ZERO_RUN_SECTIONS,
     copy_run,
+    rewind_run,
     run_train,
     step_losses,
     tiny_config,
@@ -42,8 +44,9 @@ BF16_TOLERANCE = 0.01   # nats per step against fp32 (module docstring)
 
 @pytest.fixture(scope="module")
 def bf16_runs(tmp_path_factory):
-    """(mechanism, stage) -> (uninterrupted run dir, stopped-at-6 copy dir, continued dir),
-    each trained once for this module."""
+    """(mechanism, stage) -> (uninterrupted run dir, its copy stopped at step 6, that copy
+    continued to the end), each trained once for this module: two launches, the whole run
+    saving at step 6 on its way (save_every), and its copy resuming from that checkpoint."""
     cache = {}
 
     def get(mechanism, stage):
@@ -51,17 +54,16 @@ def bf16_runs(tmp_path_factory):
             tmp = tmp_path_factory.mktemp(f"bf16-{mechanism}-z{stage}")
             sections = dict(ZERO_RUN_SECTIONS[mechanism])
             ds = {"zero_stage": stage, "precision": "bf16"}
-            whole = tiny_config(tmp, "whole", deepspeed=ds, **sections)
+            whole = tiny_config(tmp, "whole", deepspeed=ds, save_every=6, **sections)
             run_train(whole, nproc=2)
-            # Stopped at step 6: the end of a shorter run saves the same checkpoint as a
-            # stop signal (train/loop.py); the schedule is constant, so max_steps changes
-            # nothing else.
-            stopped = tiny_config(tmp, "stopped", deepspeed=ds, **sections)
-            run_train(stopped, ["max_steps=6"], nproc=2)
-            copy_run(tmp / "runs" / "stopped", tmp, "at-six")
-            run_train(stopped, nproc=2)
+            # The run as a stop at step 6 leaves it: its step-6 checkpoint the latest.
+            for name in ("at-six", "continued"):
+                copy_run(tmp / "runs" / "whole", tmp, name)
+                rewind_run(tmp / "runs" / name, 6)
+            done = run_train(tmp / "continued.yaml", nproc=2)
+            assert "resumed from" in done.stdout, done.stdout[-3000:]
             cache[mechanism, stage] = tuple(tmp / "runs" / n for n in ("whole", "at-six",
-                                                                        "stopped"))
+                                                                        "continued"))
         return cache[mechanism, stage]
 
     return get

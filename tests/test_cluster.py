@@ -3,14 +3,18 @@ against injection, and a real single-node SLURM: a 2-task CPU training job runs 
 and one warned with USR1 mid-run checkpoints, requeues itself, resumes and ends with the
 losses of an uninterrupted run."""
 
+import contextlib
 import json
 import os
+import re
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-from slurm_cluster import start_cluster_for_test
+from daemons import run_ok
+from slurm_cluster import SlurmUnavailable, _own_ports, start_cluster_for_test
 from train_helpers import BIN, ROOT, child_env, step_losses, tiny_config
 
 from cluster.sbatch import TRAIN_SCRIPT, SubmitOptions, render
@@ -84,12 +88,49 @@ def test_dry_run_prints_the_script_and_a_bad_run_config_fails_before_sbatch(caps
     assert "model.mem_len" in capsys.readouterr().err
 
 
+def test_a_foreign_process_on_a_test_clusters_port_is_refused_by_name(tmp_path):
+    # What tests/slurm_cluster.py checks once the node is up: the listener on each port is
+    # the cluster's own daemon (its pid file), not whatever took the port first.
+    with socket.socket() as foreign:
+        foreign.bind(("127.0.0.1", 0))
+        foreign.listen()
+        (tmp_path / "slurmctld.pid").write_text(str(os.getpid() + 10_000_000))  # no such pid
+        with pytest.raises(SlurmUnavailable, match=rf"port {foreign.getsockname()[1]}: "
+                                                   rf"pid {os.getpid()} \("):
+            _own_ports(tmp_path, {"slurmctld": foreign.getsockname()[1]})
+
+
 # ----------------------------------------------------------------------------- real SLURM
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     env, stop = start_cluster_for_test(tmp_path_factory.mktemp("slurm"))
     yield env
     stop()
+
+
+def _ports(env) -> set[int]:
+    conf = Path(env["SLURM_CONF"]).read_text()
+    return {int(p) for p in re.findall(r"^Slurm(?:ctld|d)Port=(\d+)$", conf, re.MULTILINE)}
+
+
+@pytest.mark.slow
+def test_a_second_cluster_starts_beside_the_first_with_slurms_default_port_held(slurm,
+                                                                                 tmp_path):
+    # SLURM's default controller port held (here by this test, unless something else holds
+    # it already): the clusters pick free ports of their own, so neither waits for the other.
+    with contextlib.ExitStack() as stack:
+        with contextlib.suppress(OSError):
+            held = stack.enter_context(socket.socket())
+            held.bind(("0.0.0.0", 6817))
+            held.listen()
+        other, stop = start_cluster_for_test(tmp_path / "other")
+    try:
+        assert len(_ports(slurm)) == len(_ports(other)) == 2
+        assert not _ports(slurm) & _ports(other) and 6817 not in _ports(other)
+        for env in (slurm, other):
+            assert run_ok(["sinfo", "-h", "-o", "%T"], env=env).stdout.strip() == "idle"
+    finally:
+        stop()
 
 
 def _submit(env, cfg, *extra):
@@ -146,12 +187,12 @@ def test_usr1_checkpoints_requeues_and_resumes_to_the_uninterrupted_losses(
     job = _submit(slurm, _config(tmp_path, "warned"), "--launcher", launcher)
     run_dir = tmp_path / "runs" / "warned"
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 300
+    deadline = time.time() + 900   # a hang guard: a job under load starts in minutes
     while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
         assert time.time() < deadline, "the job never started training"
         time.sleep(0.2)
     # What SLURM sends before the time limit, here by hand, to the batch shell only.
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=slurm, check=True)
+    run_ok(["scancel", "--signal=USR1", "--batch", job], env=slurm)
 
     released = []
 
@@ -181,13 +222,12 @@ def test_memtrain_jobs_lists_ended_and_queued_jobs_with_their_runs(slurm, uninte
     # The partition is down while the job is submitted and held: on an idle node SLURM may
     # start a job before a later `scontrol hold` arrives (seen under load, ~1 s apart).
     def partition(state):
-        subprocess.run(["scontrol", "update", "PartitionName=debug", f"State={state}"],
-                       env=slurm, check=True, capture_output=True)
+        run_ok(["scontrol", "update", "PartitionName=debug", f"State={state}"], env=slurm)
 
     partition("DOWN")
     try:
         held = _submit(slurm, _config(tmp_path, "held"))
-        subprocess.run(["scontrol", "hold", held], env=slurm, check=True, capture_output=True)
+        run_ok(["scontrol", "hold", held], env=slurm)
     finally:
         partition("UP")
     try:

@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from daemons import run_ok
 from slurm_cluster import start_cluster_for_test
 from train_helpers import BIN, ROOT, child_env, tiny_config
 
@@ -147,8 +148,7 @@ def test_on_slurm_more_cpus_per_node_than_the_node_has_are_refused_before_sbatch
     slurm, stop = start_cluster_for_test(tmp_path / "slurm")
     try:
         env = child_env(slurm)
-        cpus = int(subprocess.run(["sinfo", "-h", "-N", "-o", "%c"], env=env, check=True,
-                                  capture_output=True, text=True).stdout.split()[0])
+        cpus = int(run_ok(["sinfo", "-h", "-N", "-o", "%c"], env=env).stdout.split()[0])
         cfg = tiny_config(tmp_path, "big", data={"global_batch": 4})
 
         def submit(*argv):
@@ -163,8 +163,7 @@ def test_on_slurm_more_cpus_per_node_than_the_node_has_are_refused_before_sbatch
                 f"per node asked, but its nodes in the default partition have at most "
                 f"{cpus} CPUs") in done.stderr
         assert "sbatch" not in done.stderr
-        queued = subprocess.run(["squeue", "-h", "-o", "%i"], env=env, capture_output=True,
-                                text=True, check=True).stdout.split()
+        queued = run_ok(["squeue", "-h", "-o", "%i"], env=env).stdout.split()
         assert queued == [] and not (tmp_path / "runs" / "big" / "jobs.jsonl").exists()
         fits = submit("--cpus-per-task", str(max(1, cpus // 2)), "--dry-run")
         assert fits.returncode == 0 and SKIPPED not in fits.stderr, fits.stderr

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from daemons import run_ok
 from slurm_cluster import start_cluster_for_test
 from train_helpers import ROOT, child_env
 
@@ -207,8 +208,7 @@ def _run_job(script: str, run, tmp_path, env, limit: int) -> str:
     leave the queue, and return its log."""
     path = tmp_path / "job.sbatch"
     path.write_text(script)
-    job = subprocess.run(["sbatch", "--parsable", str(path)], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    job = run_ok(["sbatch", "--parsable", str(path)], env=env, cwd=ROOT).stdout.strip()
     deadline = time.time() + limit
     while subprocess.run(["squeue", "-h", "-j", job], env=env, capture_output=True,
                          text=True).stdout.strip():

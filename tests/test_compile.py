@@ -11,14 +11,25 @@ at one shape: the tiny model of tests/train_helpers.py (2 layers, d_model 32, 2 
 batch 4, segments of 8 and a memory of 8, i.e. the two memory lengths 0 and 8), which the
 `memtrain train` runs below use too, so that their graphs are the ones the in-process runs
 already put in the Inductor cache. Each test says what breaking its mechanism does to it.
+(bf16 and ZeRO-3 compile graphs of their own: tests/test_compile_bf16_zero3.py, a second
+file so that the suite's two workers share the compile tests.)
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
 import torch
+from compile_helpers import (
+    BATCH,
+    MEM,
+    RUN_MODEL,
+    SHAPE,
+    STEPS,
+    TGT,
+    batch,
+    graph_limit,
+    tiny,
+)
 from train_helpers import V, run_train, step_losses, tiny_config
 
 from model import ConfigError, ModelConfig, build_model
@@ -28,51 +39,14 @@ from train.memory_probe import measure
 
 pytestmark = pytest.mark.slow
 
-# The shape of tests/train_helpers.py tiny_config: the memory reaches its full length at the
-# second step, so STEPS = 4 shows a graph per length (0, 8) and then two steps with none.
-TGT, MEM, STEPS, BATCH = 8, 8, 4, 4
-SHAPE = dict(vocab_size=V, n_layer=2, d_model=32, n_head=2, d_inner=64, dropout=0.1,
-             dropatt=0.1, tgt_len=TGT, rmt={"num_mem_tokens": 2})
-# The same shape for the `memtrain train` runs (dropatt on, as in the in-process runs).
-RUN_MODEL = {"dropatt": 0.1, "rmt": {"num_mem_tokens": 2}}
-
-
-@contextmanager
-def graph_limit(limit: int):
-    """torch.compile's per-function graph limit set to `limit` for the block: below what
-    the models here need, so that only compile_core raising it lets every length compile
-    (past the limit torch runs the function eager and only logs a warning)."""
-    config = torch._dynamo.config
-    saved = config.recompile_limit
-    config.recompile_limit = limit
-    try:
-        yield
-    finally:
-        config.recompile_limit = saved
-
-
-def _tiny(mechanism: str, mem_len: int, compiled: bool, device: str = "cpu", **extra):
-    """A tiny model from seed 0 with dropout, its Adam and a seeded data generator."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(**{**SHAPE, "mechanism": mechanism, "mem_len": mem_len, **extra})
-    model = build_model(cfg).to(device)   # torch.manual_seed seeded the GPUs' generators too
-    if compiled:
-        compile_core(model)
-    return model, torch.optim.Adam(model.parameters(), 1e-3), torch.Generator().manual_seed(3)
-
-
-def _batch(data: torch.Generator, device: str = "cpu"):
-    return torch.randint(0, V, (2, BATCH, TGT), generator=data).to(device)
-
-
 def _train(mechanism: str, compiled: bool, mem_len: int = MEM, steps: int = STEPS,
            device: str = "cpu", **extra):
     """Training steps of a tiny model: (losses, graphs compiled by the end of each step,
     counted from the first, model)."""
-    model, opt, data = _tiny(mechanism, mem_len, compiled, device, **extra)
+    model, opt, data = tiny(mechanism, mem_len, compiled, device, **extra)
     state, losses, graphs, before = None, [], [], compiled_graphs()
     for _ in range(steps):
-        x, y = _batch(data, device)
+        x, y = batch(data, device)
         out = model(x, state, targets=y)
         out.loss.backward()
         opt.step()
@@ -158,12 +132,12 @@ def test_the_raised_graph_limit_covers_a_long_lamemo_memory_with_checkpointed_la
 
 def _rmt_windows(compiled: bool) -> list[float]:
     """3 steps of RMT BPTT windows of 2 segments, each segment checkpointed."""
-    model, opt, data = _tiny("rmt", MEM, compiled)
+    model, opt, data = tiny("rmt", MEM, compiled)
     state, losses = None, []
     for _ in range(3):
         loss = 0.0
         for _ in range(2):
-            x, y = _batch(data)
+            x, y = batch(data)
             out = model(x, state, targets=y, checkpoint_segment=True)
             state, loss = out.state, loss + out.loss
         loss.backward()
@@ -196,39 +170,6 @@ def test_compiling_keeps_parameter_names_so_checkpoints_are_interchangeable():
     compile_core(compiled)
     assert list(compiled.state_dict()) == list(eager.state_dict())
     compiled.load_state_dict(eager.state_dict())
-
-
-@pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt", "armt"])
-def test_a_bf16_model_compiles_and_trains_like_eager_bf16(mechanism):
-    # The A100 precision (DeepSpeed casts the model to bf16; the bare model here, the engine
-    # in bf16 is tests/test_bf16_engine.py). Fused kernels round differently: bf16 tolerance. No
-    # dropout: eager bf16 dropout scales by 1/(1-p) rounded to bf16, a fused kernel by the
-    # fp32 value (0.2% apart at p = 0.1), a difference of rounding, not of the model. One
-    # graph: a segment without gradient (eager) fills the memory, so every training step
-    # reads a full one, the path where the mechanisms differ.
-    models = []
-    for compiled in (False, True):
-        model, _, data = _tiny(mechanism, MEM, compiled, dropout=0.0, dropatt=0.0)
-        models.append((model.to(torch.bfloat16), data))
-    losses: list[list[float]] = [[], []]
-    states = []
-    for model, data in models:
-        with torch.no_grad():
-            states.append(model(_batch(data)[0], None).state)
-    for _ in range(3):
-        for i, (model, data) in enumerate(models):
-            x, y = _batch(data)
-            out = model(x, states[i], targets=y)
-            out.loss.backward()
-            states[i] = out.state.detach()
-            losses[i].append(out.loss.item())
-    assert losses[1] == pytest.approx(losses[0], rel=2e-3)
-    # A parameter outside the loss's graph (ARMT's write of a window's last segment only
-    # reaches the next window) keeps grad None in eager and gets zeros from a compiled
-    # graph: both are a zero gradient.
-    grads = [torch.cat([torch.zeros(p.numel()) if p.grad is None else p.grad.float().flatten()
-                        for p in m.parameters()]) for m, _ in models]
-    assert (grads[1] - grads[0]).norm() < 0.03 * grads[0].norm()
 
 
 # Three layers: LaMemo's bottom, middle and top layer calls are its three kinds of call.
@@ -307,21 +248,3 @@ def test_memtrain_train_compiled_matches_eager_and_resumes_exactly(tmp_path, mod
     # length (with checkpoint_layers, its two kinds of layer call).
     graphs = step_losses(tmp_path / "runs" / "compiled", "compiled_graphs")
     assert (graphs[3], graphs[6]) == graphs_then_resumed
-
-
-def test_compiled_zero3_trains_bptt_windows_with_the_eager_losses_and_warns(tmp_path):
-    # ZeRO-3 gathers each module's parameters in hooks on that module, which break the
-    # compiled graph at every module (the run says so). What must hold: a BPTT window (every
-    # parameter used in 3 segments of one backward) trains exactly as eager. Making the
-    # decoder stack a ZeRO-3 leaf (gathered once, 2 graphs) failed here: DeepSpeed's
-    # gradient bucket met the same parameter twice.
-    sections = dict(max_steps=3, deepspeed={"zero_stage": 3}, bptt={"depth": 2},
-                    eval={"max_segments": 2, "every": 0})
-    run_train(tiny_config(tmp_path, "eager", model=RUN_MODEL, **sections), launcher="single")
-    done = run_train(tiny_config(tmp_path, "compiled", model={**RUN_MODEL, "compile": True},
-                                 **sections), launcher="single")
-    assert "model.compile under ZeRO-3" in done.stderr
-    eager = step_losses(tmp_path / "runs" / "eager")
-    compiled = step_losses(tmp_path / "runs" / "compiled")
-    assert [compiled[s] for s in range(1, 4)] == pytest.approx(
-        [eager[s] for s in range(1, 4)], rel=1e-5, abs=1e-6)

@@ -9,6 +9,7 @@ import subprocess
 import numpy as np
 import pytest
 import torch
+from daemons import run_ok
 from train_helpers import BIN, ROOT, child_env, run_train, step_losses, tiny_config
 
 from data_pipeline.shards import load_manifest, read_episodes
@@ -81,10 +82,9 @@ def test_copy_task_trains_with_full_bptt_reports_its_accuracy_and_the_plateau_ha
 
 def test_sliding_bptt_is_refused_on_task_data(tmp_path):
     data = tmp_path / "copy6"
-    subprocess.run([str(BIN / "memtrain"), "tasks", "copy", "--src-len", "6", "--n-segments",
-                    "3", "--out", str(data), "--train-size", "64", "--valid-size", "16",
-                    "--test-size", "16"], cwd=ROOT, env=child_env(), check=True,
-                   capture_output=True, timeout=120)
+    run_ok([str(BIN / "memtrain"), "tasks", "copy", "--src-len", "6", "--n-segments",
+            "3", "--out", str(data), "--train-size", "64", "--valid-size", "16",
+            "--test-size", "16"], cwd=ROOT, env=child_env(), timeout=120)
     cfg = tiny_config(tmp_path, "bad", model={"mechanism": "rmt", "vocab_size": 10,
                                               "tgt_len": 6, "mem_len": 0},
                       data={"path": str(data)}, bptt={"depth": 1, "mode": "sliding"})

@@ -19,6 +19,7 @@ from train_helpers import (
     child_env,
     copy_run,
     free_port,
+    rewind_run,
     run_train,
     step_losses,
     tiny_config,
@@ -30,6 +31,8 @@ from data_pipeline.streams import SegmentBatch, TokenStream
 from model import MemoryState, load_model
 from train.bptt import run_window
 from train.checkpoint import complete_checkpoints, find_latest, load_rank_payload
+from train.config import load_config
+from train.export import export_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +67,7 @@ def test_sigkill_mid_training_then_resume_reproduces_the_uninterrupted_run_exact
     proc = subprocess.Popen(train_cmd(cfg, nproc=2), cwd=ROOT, env=child_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    deadline = time.time() + 300
+    deadline = time.time() + 900   # a hang guard: 2 ranks under load start in minutes
     while _latest_step(run_dir) < 8 and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks, no warning
@@ -90,11 +93,11 @@ def test_sigkill_mid_training_then_resume_reproduces_the_uninterrupted_run_exact
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_resume_on_another_world_size_reshards_weights_and_optimizer(tmp_path, stage, zero_run):
-    # The 2-rank XL run of the ZeRO equality test, continued on 1 rank.
+    # The 2-rank XL run of the ZeRO equality test, continued on 1 rank (one launch: the
+    # probe reads the Adam state the engine holds right after the resume, then trains on).
     cfg = copy_run(zero_run("xl", stage), tmp_path, "elastic")
     first = step_losses(tmp_path / "runs" / "elastic")
-    done = run_train(cfg, ["max_steps=14"], nproc=1)
-    out = done.stdout + done.stderr
+    moved, out = adam_after_resume(cfg, 1, tmp_path, train_on=["max_steps=14"])
     assert "resuming a 2-rank checkpoint on 1 ranks" in out and "regrouped by rows" in out
     losses = step_losses(tmp_path / "runs" / "elastic")
     assert sorted(losses) == list(range(1, 15))
@@ -103,8 +106,7 @@ def test_resume_on_another_world_size_reshards_weights_and_optimizer(tmp_path, s
     # And the optimizer state with them: the Adam moments and step the 1-rank engine holds
     # right after the re-sharding resume equal the 2-rank run's at the same step (10), read
     # back on its own 2 ranks (a same-world resume, exact), both gathered in full fp32.
-    same = adam_after_resume(copy_run(zero_run("xl", stage), tmp_path, "same"), 2, tmp_path)
-    moved = adam_after_resume(copy_run(zero_run("xl", stage), tmp_path, "moved"), 1, tmp_path)
+    same, _ = adam_after_resume(copy_run(zero_run("xl", stage), tmp_path, "same"), 2, tmp_path)
     assert same["step"] == moved["step"] == [10.0]
     for key in ("exp_avg", "exp_avg_sq"):
         assert same[key].keys() == moved[key].keys()
@@ -113,17 +115,21 @@ def test_resume_on_another_world_size_reshards_weights_and_optimizer(tmp_path, s
         assert any(t.abs().sum() > 0 for t in same[key].values())  # a trained state
 
 
-def adam_after_resume(config: Path, nproc: int, tmp: Path) -> dict:
+def adam_after_resume(config: Path, nproc: int, tmp: Path,
+                      train_on: list[str] | None = None) -> tuple[dict, str]:
     """The Adam state right after resuming `config`'s run on `nproc` ranks
-    (tests/optimizer_probe.py)."""
+    (tests/optimizer_probe.py), and the launch's output; `train_on`: the run then trains on
+    with these overrides."""
     out = tmp / f"{config.stem}-adam.pt"
+    more = ["--train-on", *train_on] if train_on is not None else []
     done = subprocess.run([str(BIN / "torchrun"), "--nproc_per_node", str(nproc),
                            "--master_port", str(free_port()),
-                           str(ROOT / "tests" / "optimizer_probe.py"), str(config), str(out)],
+                           str(ROOT / "tests" / "optimizer_probe.py"), str(config), str(out),
+                           *more],
                           cwd=ROOT, env=child_env(), capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return torch.load(out)
+    return torch.load(out), done.stdout + done.stderr
 
 
 def _next_step_loss(run_dir: Path, *, forget: bool) -> float:
@@ -173,12 +179,17 @@ def test_resume_on_another_world_size_both_ways_carries_every_rows_memory(tmp_pa
     if mechanism == "rmt":
         model["rmt"] = {"num_mem_tokens": 3}
     sections = dict(model=model, bptt=bptt, eval={"max_segments": 4})
-    ref = tiny_config(tmp_path, "straight", max_steps=12, **sections)
+    ref = tiny_config(tmp_path, "straight", max_steps=12, save_every=6, **sections)
     run_train(ref, nproc=2)
     straight = step_losses(tmp_path / "runs" / "straight")
-    cfg = tiny_config(tmp_path, "moved", max_steps=6, **sections)
+    # The run stopped at step 6 on 2 ranks: a copy of the straight one, rewound to its
+    # step-6 checkpoint (one launch fewer than training it again).
+    cfg = copy_run(tmp_path / "runs" / "straight", tmp_path, "moved")
     run_dir = tmp_path / "runs" / "moved"
-    run_train(cfg, nproc=2)
+    rewind_run(run_dir, 6)
+    # ... and the weights its end would have exported (train/loop.py: from that checkpoint).
+    export_checkpoint(find_latest(run_dir / "checkpoints"), run_dir / "model.safetensors",
+                      load_config(str(cfg)).model)
 
 
     def control(next_step: int) -> None:

@@ -29,47 +29,59 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.split()]
 
 
-# RMT with BPTT, ZeRO-2, 2 ranks: the run a signal stops and resumes.
-SIGNALLED = dict(max_steps=30, model={"mechanism": "rmt", "mem_len": 4,
-                                      "rmt": {"num_mem_tokens": 3}},
+# RMT with BPTT, ZeRO-2, 2 ranks: the run the signals stop and resume. Long enough for two
+# stops: a signal lands within a few steps of being sent.
+STEPS = 40
+SIGNALLED = dict(max_steps=STEPS, model={"mechanism": "rmt", "mem_len": 4,
+                                         "rmt": {"num_mem_tokens": 3}},
                  bptt={"depth": 1}, deepspeed={"zero_stage": 2}, eval={"max_segments": 4})
 
 
-@pytest.fixture(scope="module")
-def straight(tmp_path_factory):
-    """The uninterrupted run's losses, trained once for both signals."""
-    tmp = tmp_path_factory.mktemp("straight")
-    run_train(tiny_config(tmp, "straight", **SIGNALLED), nproc=2)
-    return step_losses(tmp / "runs" / "straight")
+def _last_step(metrics) -> int:
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    return max((json.loads(line).get("step", 0) for line in lines), default=0)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
-def test_a_signal_on_one_rank_checkpoints_every_rank_at_the_same_step(tmp_path, sig, straight):
-    cfg = tiny_config(tmp_path, "signalled", **SIGNALLED)
-    run_dir = tmp_path / "runs" / "signalled"
+def _stopped_by_a_signal_on_one_rank(cfg, run_dir, sig, after_step: int) -> int:
+    """Start (or resume) the run on 2 ranks, send `sig` to one rank once `after_step` is
+    logged; the run must leave with every rank checkpointed at one step: that step."""
     proc = subprocess.Popen(train_cmd(cfg, nproc=2), cwd=ROOT, env=child_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
-            break
+    # A guard against a hung run only: the run ends by itself if it fails, and 2 ranks
+    # starting beside a busy suite have taken 4 minutes to reach their first step.
+    deadline = time.time() + 900
+    while time.time() < deadline and proc.poll() is None and _last_step(metrics) < after_step:
         time.sleep(0.1)
+    assert _last_step(metrics) >= after_step, f"the run never reached step {after_step}"
     ranks = _children(proc.pid)
     assert len(ranks) == 2, f"expected 2 rank processes under torchrun, found {ranks}"
     os.kill(max(ranks), sig)  # one rank only: the other must learn of it and agree
-    out, _ = proc.communicate(timeout=300)
+    out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-4000:]
     status = json.loads((run_dir / "status.json").read_text())
-    assert status["state"] == "interrupted" and 5 <= status["step"] < 30
+    assert status["state"] == "interrupted" and after_step <= status["step"] < STEPS, status
     info = find_latest(run_dir / "checkpoints")
     assert info.step == status["step"] and info.world_size == 2
     assert f"checkpointed at step {status['step']}" in out
+    return status["step"]
 
+
+def test_usr1_then_sigterm_on_one_rank_checkpoint_every_rank_at_one_step_and_resume_exactly(
+        tmp_path):
+    # One run, stopped twice: by SIGUSR1 (what SLURM sends before the time limit), then,
+    # resumed, by SIGTERM (what a cancelled job gets); resumed again to the end, its losses
+    # are the uninterrupted run's, bit for bit.
+    straight = tiny_config(tmp_path, "straight", **SIGNALLED)
+    run_train(straight, nproc=2)
+    cfg = tiny_config(tmp_path, "signalled", **SIGNALLED)
+    run_dir = tmp_path / "runs" / "signalled"
+    first = _stopped_by_a_signal_on_one_rank(cfg, run_dir, signal.SIGUSR1, after_step=5)
+    _stopped_by_a_signal_on_one_rank(cfg, run_dir, signal.SIGTERM, after_step=first + 3)
     run_train(cfg, nproc=2)
     assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
-    assert step_losses(run_dir) == straight
+    assert step_losses(run_dir) == step_losses(tmp_path / "runs" / "straight")
 
 
 def test_a_non_finite_loss_stops_every_rank_with_exit_3_and_keeps_the_last_checkpoint(

@@ -7,13 +7,14 @@ import json
 import os
 import re
 import shutil
-import socket
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import yaml
+from daemons import free_port  # noqa: F401  (the tests import it from here)
 from slurm_cluster import LAUNCHER_VARIABLES
 
 from data_pipeline.shard_writer import write_manifest, write_token_split
@@ -71,12 +72,6 @@ def tiny_config(tmp: Path, name: str = "t", **sections) -> Path:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def child_env(extra: dict | None = None) -> dict:
     env = dict(os.environ)
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_ext"))
@@ -100,9 +95,22 @@ def train_cmd(config: Path, overrides=(), nproc: int = 1, launcher: str = "torch
 
 
 def run_train(config: Path, overrides=(), nproc: int = 1, launcher: str = "torchrun",
-              env: dict | None = None, timeout: int = 600, check: bool = True):
-    done = subprocess.run(train_cmd(config, overrides, nproc, launcher), cwd=ROOT,
-                          env=child_env(env), capture_output=True, text=True, timeout=timeout)
+              env: dict | None = None, timeout: int = 1200, check: bool = True):
+    cmd = train_cmd(config, overrides, nproc, launcher)
+    # `timeout` guards against a hung run only: 2 ranks beside a busy suite on 2 cores have
+    # taken over 10 minutes to their first step. The launch is its own process group: past
+    # the timeout the launcher AND its ranks are killed (killing only the launcher, as
+    # subprocess.run does, left the ranks running, orphaned, slowing every later test).
+    with subprocess.Popen(cmd, cwd=ROOT, env=child_env(env), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            raise AssertionError(f"training still running after {timeout} s, killed:\n"
+                                 f"{out[-4000:]}\n{err[-6000:]}") from None
+    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if check and done.returncode != 0:
         raise AssertionError(f"training failed ({done.returncode}):\n{done.stdout[-4000:]}\n"
                              f"{done.stderr[-6000:]}")
@@ -164,14 +172,35 @@ def copy_run(run_dir: Path, tmp: Path, name: str) -> Path:
     return path
 
 
+def rewind_run(run_dir: Path, step: int) -> None:
+    """Turn a (copied) finished run into the run as a stop at `step` leaves it, `step` being
+    one of its checkpoints: the later checkpoints removed and `latest` naming this one, the
+    metrics of later steps and the end's outputs (exported weights, evaluation, curve)
+    gone, its status "interrupted". What the continued run then shows is its own."""
+    from train.checkpoint import LATEST, complete_checkpoints
+
+    checkpoints = run_dir / "checkpoints"
+    kept = [info for info in complete_checkpoints(checkpoints) if info.step <= step]
+    assert kept and kept[-1].step == step, f"no checkpoint at step {step} in {run_dir}"
+    for info in complete_checkpoints(checkpoints):
+        if info.step > step:
+            shutil.rmtree(info.path)
+    (checkpoints / LATEST).write_text(kept[-1].path.name)
+    rows = (run_dir / "metrics.jsonl").read_text().splitlines()
+    (run_dir / "metrics.jsonl").write_text("".join(
+        f"{row}\n" for row in rows if json.loads(row).get("step", 0) <= step
+        and "final_loss" not in json.loads(row)))
+    for name in ("model.safetensors", "eval_report.json", "loss_curve.png"):
+        (run_dir / name).unlink(missing_ok=True)
+    (run_dir / "status.json").write_text(json.dumps({"state": "interrupted", "step": step}))
+
+
 def train_in_process(cfg, monkeypatch) -> None:
     """`train.trainer.train(cfg)` in this process, a world of one over gloo, left as found:
     the rank variables set for the run only, no DeepSpeed backend from an earlier engine,
     the signal handlers the trainer installs put back, and DeepSpeed's cached groups of the
     process group that train() leaves released too (as deepspeed.comm.destroy_process_group
     does), or the next engine made in this process finds them."""
-    import signal
-
     import deepspeed.comm.comm as ds_comm
     from deepspeed.utils import groups
 
