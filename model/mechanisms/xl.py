@@ -1,0 +1,16 @@
+"""Transformer-XL (Dai et al. 2019) as a registered mechanism: no options of its own (its
+lengths are `model.mem_len`, `clamp_len`, `same_length`); the forward is
+model/transformer_xl.py. mem_len 0 is the no-memory baseline."""
+
+from __future__ import annotations
+
+from .registry import Mechanism, register
+
+
+@register
+class XL(Mechanism):
+    name = "xl"
+
+    def core_class(self, cfg) -> type:
+        from ..transformer_xl import TransformerXL
+        return TransformerXL
