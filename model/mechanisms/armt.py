@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..associative import AssociativeMemory
 from ..typed import ConfigError
 from .registry import Mechanism, register
 from .rmt import (
@@ -91,6 +92,7 @@ class ARMT(Mechanism):
     name = "armt"
     section = "armt"
     options = ARMTOptions
+    state = AssociativeMemory
     same_length = False
     memory_tokens = True
     memory_blocks = 1               # [tokens | memory]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..memory import LaMemoMemory
 from ..typed import ConfigError
 from .registry import Mechanism, register
 
@@ -31,6 +32,7 @@ class LaMemo(Mechanism):
     name = "lamemo"
     section = "lamemo"
     options = LaMemoOptions
+    state = LaMemoMemory
     # α per layer against memory index (LaMemo Fig. 6) beside the causal branch's distances.
     analyses = ("distance", "alpha")
 

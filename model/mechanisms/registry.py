@@ -41,6 +41,9 @@ class Mechanism:
     # The config section `model.<section>` and its dataclass; None: no options.
     section: ClassVar[str | None] = None
     options: ClassVar[type | None] = None
+    # Its `MemoryState` subclass (model/memory.py), registered by its `kind` with the
+    # mechanism, so that a checkpoint's memory loads back (`MemoryState.from_state_dict`).
+    state: ClassVar[type | None] = None
     # Whether Transformer-XL's evaluation setting same_length (every query sees exactly
     # mem_len keys) is defined: not where memory rows see their blocks whole.
     same_length: ClassVar[bool] = True
@@ -144,6 +147,9 @@ def register(cls: type[Mechanism]) -> type[Mechanism]:
         raise ValueError(f"{cls.__name__} has no name")
     if (cls.section is None) != (cls.options is None):
         raise ValueError(f"{cls.__name__}: section and options go together")
+    if cls.state is not None:
+        from ..memory import _register as register_state
+        register_state(cls.state)
     _REGISTRY[cls.name] = cls()
     return cls
 
@@ -168,7 +174,9 @@ def get(name: str) -> Mechanism:
             raise ConfigError("model.mechanism", f"cannot import {name!r}: {err}") from None
         if not (isinstance(cls, type) and issubclass(cls, Mechanism)):
             raise ConfigError("model.mechanism", f"{name!r} is not a Mechanism subclass")
-        _REGISTRY[name] = _REGISTRY.get(cls.name) or cls()
+        if cls.name not in _REGISTRY:
+            register(cls)
+        _REGISTRY[name] = _REGISTRY[cls.name]
     if name not in _REGISTRY:
         raise ConfigError("model.mechanism", f"unknown mechanism {name!r}; choose one of "
                           f"{', '.join(names())} or name one as 'package.module:ClassName'")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..memory import RMTMemory
 from ..typed import ConfigError
 from .registry import Mechanism, register
 
@@ -89,6 +90,7 @@ class RMT(Mechanism):
     name = "rmt"
     section = "rmt"
     options = RMTOptions
+    state = RMTMemory
     same_length = False
     memory_tokens = True
     memory_blocks = 2               # [read | tokens | write]
@@ -144,7 +146,6 @@ class RMT(Mechanism):
         return initial_memory(batch_size, self.num_mem_tokens(lm.cfg), lm.cfg.d_model, device)
 
     def pretrained_decode(self, lm, emb, state):
-        from ..memory import RMTMemory
         from ..pretrained.positions import memory_attention_mask, memory_position_ids
         from ..rmt import memory_inputs, write_rows
         bsz, n_tok, _ = emb.shape

@@ -4,12 +4,14 @@ model/transformer_xl.py. mem_len 0 is the no-memory baseline."""
 
 from __future__ import annotations
 
+from ..memory import XLMemory
 from .registry import Mechanism, register
 
 
 @register
 class XL(Mechanism):
     name = "xl"
+    state = XLMemory
 
     def core_class(self, cfg) -> type:
         from ..transformer_xl import TransformerXL
