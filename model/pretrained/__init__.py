@@ -1,4 +1,5 @@
-"""model/pretrained/: RMT memory tokens around a pretrained Hugging Face causal LM.
+"""model/pretrained/: a memory mechanism (RMT, ARMT, or any registered one that states how,
+model/mechanisms/) around a pretrained Hugging Face causal LM.
 
     checkpoint_config.py  the shape ModelConfig reads from the checkpoint's config; how
                    the architecture encodes positions
@@ -6,7 +7,8 @@
     loading.py     load the weights and tokenizer; freeze, or attach LoRA adapters (peft)
     positions.py   where the memory tokens sit: the position ids and attention pattern
     wrapper.py     PretrainedMemoryLM: the same (tokens, memory) -> (loss, memory) model as
-                   the native stack, so the engine never asks which one it runs
+                   the native stack, so the engine never asks which one it runs; the
+                   mechanism's own module runs each segment around the base decoder
 
 Knows nothing of DeepSpeed, MLflow or SLURM: a sharded ZeRO-3 load is train/'s business
 (train/pretrained.py), which hands this package the already-built base model.
