@@ -192,7 +192,7 @@ def names() -> list[str]:
 def sections(mechanism: str | None = None) -> dict[str, type]:
     """Every registered options section, by name -> its dataclass (`mechanism` first
     loaded, if it names a module)."""
-    if mechanism and ":" in mechanism:
+    if isinstance(mechanism, str) and ":" in mechanism:
         get(mechanism)
     _builtins()
     return {m.section: m.options for m in _REGISTRY.values() if m.section is not None}
