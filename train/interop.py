@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from model import ModelConfig, build_model
 from model.io import save_model
+from model.mechanisms.registry import by_authors_format
 from model.pretrained.authors_format import (
     lora_state,
     split_armt_authors_state,
@@ -90,15 +91,11 @@ def import_authors(state_path: str | Path, base_dir: str | Path, segment_size: i
     with contextlib.suppress(OSError, ValueError, TypeError):   # no tokenizer: ids only
         AutoTokenizer.from_pretrained(str(base_dir), local_files_only=True).save_pretrained(
             out / "base")
-    section = {"mechanism": "rmt", "backbone": "hf", "tgt_len": segment_size, "mem_len": 0,
-               "dropout": 0.0, "rmt": {"num_mem_tokens": memory.shape[0], "pattern": "causal"},
+    section = {"backbone": "hf", "tgt_len": segment_size, "mem_len": 0, "dropout": 0.0,
+               **by_authors_format(fmt).authors_section(
+                   memory.shape[0], segment_size, d_key=d_mem, correction=correction,
+                   placement=placement),
                "hf": {"path": str((out / "base").resolve()), "finetune": "frozen"}}
-    if fmt == "armt-authors":   # their AssociativeLayerWrapper: DPFP nu 3, gated writes
-        section.update(mechanism="armt", armt={
-            "num_mem_tokens": memory.shape[0], "d_key": d_mem, "feature_map": "dpfp",
-            "nu": 3, "gate": True, "correction": correction, "authors_gamma": True,
-            "carry_tokens": False, "memory_positions": placement})
-        del section["rmt"]
     model = build_model(ModelConfig.from_dict(section))
     with torch.no_grad():
         model.memory_init.value.copy_(memory)

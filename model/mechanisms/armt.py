@@ -103,6 +103,7 @@ class ARMT(Mechanism):
     # order of the denominators' eps.
     own_init = ("memory_init", "memory_layer_norm", "associative.")
     pretrained = True
+    authors_format = "armt-authors"
 
     def num_mem_tokens(self, cfg) -> int:
         o = cfg.armt
@@ -216,6 +217,14 @@ class ARMT(Mechanism):
             raise ConfigError("model.armt.memory_positions", f"'table_end' places the memory "
                               f"in a learned position table; {model_type!r} has {kind} "
                               "positions")
+
+    def authors_section(self, m, segment_size, *, d_key, correction, placement, **facts
+                        ) -> dict:
+        # Their AssociativeLayerWrapper: DPFP nu 3, gated writes, eps in gamma's numerator.
+        return {"mechanism": self.name, "armt": {
+            "num_mem_tokens": m, "d_key": d_key, "feature_map": "dpfp", "nu": 3,
+            "gate": True, "correction": correction, "authors_gamma": True,
+            "carry_tokens": False, "memory_positions": placement}}
 
     def authors_state(self, model) -> dict:
         from ..pretrained.authors_format import to_armt_authors_state

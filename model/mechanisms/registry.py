@@ -66,6 +66,8 @@ class Mechanism:
     # Fields of its section that make the same weights another model (e.g. RMT's attention
     # pattern): a model file starts a run only where they agree (model/io.py).
     identity_fields: ClassVar[tuple[str, ...]] = ()
+    # `memtrain import --format` of its authors' checkpoints (train/interop.py), if any.
+    authors_format: ClassVar[str | None] = None
     # Runs around a pretrained decoder (`backbone: hf`): implements the pretrained_ hooks.
     pretrained: ClassVar[bool] = False
 
@@ -135,6 +137,11 @@ class Mechanism:
     def check_positions(self, cfg, kind: str, model_type: str) -> None:
         """Refuse a position placement the base model's position kind cannot give."""
 
+    def authors_section(self, m: int, segment_size: int, **facts) -> dict:
+        """The `model:` section of a model imported from the authors' format
+        (`authors_format`; train/interop.py), before the backbone's fields."""
+        raise ValueError(f"no authors' format for mechanism {self.name!r}")
+
     def authors_state(self, model) -> dict:
         """The authors' wrapper's state dict of a pretrained model (`memtrain export
         --format authors`)."""
@@ -187,6 +194,15 @@ def names() -> list[str]:
     """The registered mechanisms, in registration order."""
     _builtins()
     return [n for n in _REGISTRY if ":" not in n]
+
+
+def by_authors_format(fmt: str) -> Mechanism:
+    """The mechanism whose authors' checkpoints `fmt` names (`memtrain import --format`)."""
+    _builtins()
+    for mech in _REGISTRY.values():
+        if mech.authors_format == fmt:
+            return mech
+    raise ValueError(f"no mechanism imports the format {fmt!r}")
 
 
 def sections(mechanism: str | None = None) -> dict[str, type]:

@@ -97,6 +97,7 @@ class RMT(Mechanism):
     analyses = ("blocks",)          # RMT Fig. 6: attention between the blocks
     own_init = ("memory_init", "memory_layer_norm")
     identity_fields = ("pattern",)
+    authors_format = "rmt-authors"
     pretrained = True
 
     def num_mem_tokens(self, cfg) -> int:
@@ -189,6 +190,10 @@ class RMT(Mechanism):
             # where(fresh, init, memory)
             embedding_saved=(TensorShape((rows, 1, 1), "bool"),) if m else (),
             saved_label="the memory rows' fresh flags (torch.where)")
+
+    def authors_section(self, m, segment_size, **facts) -> dict:
+        # Their MemoryCell: [mem; E(x); mem] under the base model's causal mask.
+        return {"mechanism": self.name, "rmt": {"num_mem_tokens": m, "pattern": "causal"}}
 
     def authors_state(self, model) -> dict:
         from ..pretrained.authors_format import to_authors_state
