@@ -190,16 +190,25 @@ def get(name: str) -> Mechanism:
     return _REGISTRY[name]
 
 
-def names() -> list[str]:
-    """The registered mechanisms, in registration order."""
+def _ordered() -> list[Mechanism]:
+    """Every registered mechanism once: the built-in ones in `BUILTIN` order (whatever
+    imported them first), then the others in registration order."""
     _builtins()
-    return [n for n in _REGISTRY if ":" not in n]
+    seen: dict[int, Mechanism] = {}
+    for mech in sorted(_REGISTRY.values(), key=lambda m: (
+            BUILTIN.index(m.name) if m.name in BUILTIN else len(BUILTIN))):
+        seen.setdefault(id(mech), mech)
+    return list(seen.values())
+
+
+def names() -> list[str]:
+    """The registered mechanisms' names (`_ordered`)."""
+    return [m.name for m in _ordered()]
 
 
 def by_authors_format(fmt: str) -> Mechanism:
     """The mechanism whose authors' checkpoints `fmt` names (`memtrain import --format`)."""
-    _builtins()
-    for mech in _REGISTRY.values():
+    for mech in _ordered():
         if mech.authors_format == fmt:
             return mech
     raise ValueError(f"no mechanism imports the format {fmt!r}")
@@ -210,5 +219,4 @@ def sections(mechanism: str | None = None) -> dict[str, type]:
     loaded, if it names a module)."""
     if isinstance(mechanism, str) and ":" in mechanism:
         get(mechanism)
-    _builtins()
-    return {m.section: m.options for m in _REGISTRY.values() if m.section is not None}
+    return {m.section: m.options for m in _ordered() if m.section is not None}
