@@ -13,7 +13,6 @@ and logs them as artifacts under analysis/ of the run's MLflow run.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 
@@ -63,11 +62,9 @@ def analyze_run(cfg: RunConfig, checkpoint: str | None = None, split: str | None
     # A stream's rows side by side, or task samples one after another (train/regime.py).
     source, per_row, n_rows_or_episodes = regime_of(manifest).analysis_segments(
         split, rows, proto.tgt_len, cfg.data.url_template)
-    # Warm-up: only segments whose memory is full count (XL / LaMemo: ceil(M / L) segments
-    # in; RMT: its memory tokens written at least once).
-    warm = math.ceil(proto.mem_len / proto.tgt_len) if proto.mem_len else 0
-    if cfg.model.mechanism == "rmt":
-        warm = max(warm, 1)
+    # Warm-up: only segments whose memory is full count (an XL cache: ceil(M / L) segments
+    # in; memory tokens (RMT, ARMT): written at least once).
+    warm = cfg.model.mech.warmup_segments(cfg.model, proto.mem_len, proto.tgt_len)
     warm = min(warm, per_row - 1)
     available = (per_row - warm) * n_rows_or_episodes
     if available < 1:

@@ -25,8 +25,6 @@ import numpy as np
 import torch
 
 from model.attention import AttentionRecord, AttnLayout
-from model.lamemo import LaMemo
-from model.rmt import RMT
 from train.run_dir import atomic_write_json
 
 MAX_PANELS = 8  # layers drawn per figure, evenly spaced (LaMemo Fig. 6 shows 8 of 16)
@@ -182,20 +180,21 @@ class RMTBlocks:
 
 # ----------------------------------------------------------------------------- running
 class MemoryAnalysis:
-    """Runs segments through a model with recording on and accumulates the analyses that
-    apply to its mechanism (distance: XL, LaMemo; α: LaMemo; maps: RMT)."""
+    """Runs segments through a model with recording on and accumulates the analyses its
+    mechanism names (`Mechanism.analyses`, model/mechanisms/: distance for XL, LaMemo and
+    ARMT; α for LaMemo, whose core records it; block maps for RMT)."""
 
     def __init__(self, model):
         self.model = model
         core = model.core
         n_layer = len(core.layers)
-        self.is_rmt = isinstance(core, RMT)
+        analyses = model.cfg.mech.analyses
         self.mechanism = type(core).__name__
         mem_len = model.lengths.mem_len
-        self.distance = None if self.is_rmt else DistanceProfile(n_layer)
-        self.alpha = (AlphaProfile(n_layer, mem_len)
-                      if isinstance(core, LaMemo) and mem_len > 0 else None)
-        self.blocks = RMTBlocks(n_layer) if self.is_rmt else None
+        self.distance = DistanceProfile(n_layer) if "distance" in analyses else None
+        self.alpha = (AlphaProfile(n_layer, mem_len) if "alpha" in analyses and mem_len > 0
+                      and hasattr(core, "alpha_log") else None)
+        self.blocks = RMTBlocks(n_layer) if "blocks" in analyses else None
         self.segments = 0
 
     @torch.no_grad()

@@ -87,9 +87,9 @@ def per_token_losses(model, manifest, split: str, rows: int, tgt_len: int, conte
                      ) -> torch.Tensor:
     """NLL of tokens skip..end of every row with evaluation memory `context`, [rows * n]."""
     was_training = model.training
-    # same_length is Transformer-XL's and LaMemo's; RMT and ARMT do not define it (their
-    # memory rows see their blocks whole), so for them the context is mem_len alone.
-    same = model.cfg.mechanism not in ("rmt", "armt") and context > 0
+    # same_length is Transformer-XL's and LaMemo's; where the mechanism does not define it
+    # (RMT, ARMT: memory rows see their blocks whole) the context is mem_len alone.
+    same = model.cfg.mech.same_length and context > 0
     model.eval()
     stream = TokenStream(manifest, split, rows, tgt_len, 0, 1, url_template=url_template)
     state, parts = None, []

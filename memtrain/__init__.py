@@ -1,3 +1,3 @@
-"""memtrain: training memory-augmented language models (Transformer-XL, LaMemo, RMT)."""
+"""memtrain: training memory-augmented language models (Transformer-XL, LaMemo, RMT, ARMT)."""
 
 __version__ = "0.1.0"

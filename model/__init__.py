@@ -1,5 +1,6 @@
-"""model/: the memory mechanisms (XL, LaMemo, RMT, ARMT) on one relative-position decoder
-backbone, or around a pretrained one (model/pretrained/).
+"""model/: the memory mechanisms (Transformer-XL, LaMemo, RMT, ARMT; one module each in
+model/mechanisms/, one registry) on one relative-position decoder backbone, or around a
+pretrained one (model/pretrained/).
 
 Knows nothing of DeepSpeed, MLflow or SLURM; of the data pipeline it uses only the atomic
 file writer (io.py) and a pretrained tokenizer's fingerprint (backbones/pretrained.py).
@@ -7,10 +8,13 @@ file writer (io.py) and a pretrained tokenizer's fingerprint (backbones/pretrain
 
 from .associative import AssociativeMemory
 from .backbones import backbone_of, build_model, resolve_shape
-from .config import ARMTOptions, ConfigError, LaMemoOptions, ModelConfig, RMTOptions
+from .config import ConfigError, ModelConfig
 from .generate import filter_logits, generate, stream_generate
 from .io import load_model, save_model
 from .lm import LMOutput, MemoryLM, bits_per_token
+from .mechanisms.armt import ARMTOptions
+from .mechanisms.lamemo import LaMemoOptions
+from .mechanisms.rmt import RMTOptions
 from .memory import LaMemoMemory, MemoryState, RMTMemory, XLMemory
 
 __all__ = [

@@ -34,7 +34,7 @@ from .associative import AssociativeLayer, AssociativeMemory
 from .backbone import Lengths, RelativeBackbone, causal_allowed
 from .config import ModelConfig
 from .positional import distance_list
-from .rmt import memory_token_parameters, side_cache
+from .rmt import memory_token_parameters, side_cache, write_rows
 from .shapes import AttentionShape, LayerShape, SegmentShapes, TensorShape, xl_cache
 
 
@@ -59,6 +59,14 @@ def memory_token_inputs(memory_init: torch.Tensor, state: AssociativeMemory, bsz
     return torch.where(fresh, init, state.tokens.to(dtype))
 
 
+def initial_state(blocks: nn.ModuleList, batch_size: int, device=None) -> AssociativeMemory:
+    """ARMT's initial state, on either backbone: A = 0, z = 0 in every layer, which IS a
+    fresh document (model/associative.py). No XL cache yet: whether there is one is decided
+    in forward by the run-time lengths (evaluation may switch it on or off), as for RMT."""
+    b = blocks[0]
+    return AssociativeMemory.zeros(batch_size, len(blocks), b.d_phi, b.d_value, device=device)
+
+
 class ARMT(RelativeBackbone):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -74,7 +82,7 @@ class ARMT(RelativeBackbone):
         projections and features (DPFP keeps its two factors and product), the retrieved
         values, and its backward reads that layer's A and z; the state is A, z per layer
         in float32 (the carried tokens and the cache where configured)."""
-        m, n, d = cfg.rmt.num_mem_tokens, cfg.tgt_len, cfg.d_model
+        m, n, d = cfg.mech.num_mem_tokens(cfg), cfg.tgt_len, cfg.d_model
         q = n + m
         k = mem_len + q
         block = associative_layer(cfg)
@@ -113,11 +121,7 @@ class ARMT(RelativeBackbone):
                              "an XL cache beside the associative memory")
 
     def empty_state(self, batch_size: int, device=None) -> AssociativeMemory:
-        # No XL cache yet: whether there is one is decided in forward by the run-time
-        # lengths (evaluation may switch it on or off), as for RMT.
-        b = self.associative[0]
-        return AssociativeMemory.zeros(batch_size, self.cfg.n_layer, b.d_phi, b.d_value,
-                                       device=device)
+        return initial_state(self.associative, batch_size, device)
 
     def forward(self, h0: torch.Tensor, state: AssociativeMemory | None, lengths: Lengths):
         """h0 [B, L, d] -> (token hidden [B, L, d], AssociativeMemory after the writes)."""
@@ -152,8 +156,5 @@ class ARMT(RelativeBackbone):
         new_cache = cache.appended(token_inputs, lengths.mem_len) if cache is not None else None
         tokens = None
         if self.cfg.armt.carry_tokens:
-            # A copy of the m rows, not a view of the whole output (see model/rmt.py).
-            write = h[:, n_tok:]
-            tokens = (self.memory_layer_norm(write) if self.memory_layer_norm is not None
-                      else write.clone())
+            tokens = write_rows(h, n_tok, self.memory_layer_norm)
         return h[:, :n_tok], state.written(A_new, z_new, cache=new_cache, tokens=tokens)

@@ -1,4 +1,5 @@
-"""Relative multi-head attention (Transformer-XL §3.3), shared by all three mechanisms.
+"""Relative multi-head attention (Transformer-XL §3.3), shared by every native mechanism
+(Transformer-XL, LaMemo, RMT, ARMT).
 
 The score of query i against key j is (Dai et al. 2019, Eq. for A^rel, grouped as in the XL
 code and the slides):

@@ -1,7 +1,8 @@
-"""The relative-position decoder stack shared by Transformer-XL, LaMemo and RMT.
+"""The relative-position decoder stack shared by Transformer-XL, LaMemo, RMT and ARMT.
 
-A mechanism is a subclass of `RelativeBackbone` that decides which rows are queries, which
-are keys, and what state to carry; the layers, the global biases u/v and the positional
+A mechanism's native core (named by its module in model/mechanisms/) is a subclass of
+`RelativeBackbone` that decides which rows are queries, which are keys, and what state to
+carry; the layers, the global biases u/v and the positional
 sinusoid live here once.
 """
 

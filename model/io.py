@@ -52,9 +52,12 @@ def load_initial(model: SegmentLM, path: str | Path) -> list[str]:
     another model); the parameters the file does not hold (e.g. LoRA adapters a fine-tune
     adds to an imported memory) keep their initialisation. Returns the names loaded."""
     saved = read_config(path)
+    mech = model.cfg.mech
     for field, ours, theirs in (("model.mechanism", model.cfg.mechanism, saved.mechanism),
-                                ("model.rmt.pattern", model.cfg.rmt.pattern,
-                                 saved.rmt.pattern)):
+                                *((f"model.{mech.section}.{name}",
+                                   getattr(mech.opts(model.cfg), name),
+                                   getattr(mech.opts(saved), name))
+                                  for name in mech.identity_fields)):
         if ours != theirs:
             raise ValueError(f"init_from {path}: the file's {field} is {theirs!r}, the run's "
                              f"{ours!r}; set {field}={theirs}")

@@ -4,40 +4,30 @@
     out.loss, out.nll, out.state          # carry out.state into the next segment
 
 It is a `SegmentLM` (model/segment_lm.py), what the engine sees of any model, this one or
-a pretrained backbone with memory tokens (model/pretrained/). It is mechanism-agnostic
-above the backbone: it takes (tokens, state) and returns
-(loss/logits, new state), so training, checkpointing and evaluation never branch on the
-mechanism.
+a pretrained backbone (model/pretrained/). It is mechanism-agnostic above the backbone: the
+registered mechanism (model/mechanisms/) names the core that runs it and its auxiliary loss;
+it takes (tokens, state) and returns (loss/logits, new state), so training, checkpointing
+and evaluation never branch on the mechanism.
 """
 
 from __future__ import annotations
 
 import math
 
-import torch
 from torch import nn
 
 from .adaptive import AdaptiveEmbedding, AdaptiveSoftmax, tie_embeddings
-from .armt import ARMT
 from .backbone import RelativeBackbone
 from .config import ModelConfig
-from .lamemo import LaMemo
 from .memory import MemoryState
-from .rmt import RMT
-from .segment_lm import LMOutput, SegmentLM
-from .transformer_xl import TransformerXL
-
-# The mechanism registry: `ModelConfig.mechanism` -> its class (see `core_class`).
-_CORES = {"xl": TransformerXL, "lamemo": LaMemo, "rmt": RMT, "armt": ARMT}
+from .segment_lm import LMOutput, SegmentLM, add_lm_loss
 
 
 def core_class(cfg: ModelConfig) -> type[RelativeBackbone]:
-    """The class that runs `cfg.mechanism`; its `segment_shapes` states a segment's shapes
+    """The class that runs `cfg.mechanism` on the native stack, as its mechanism module
+    (model/mechanisms/) names it; its `segment_shapes` states a segment's shapes
     (model/shapes.py)."""
-    if cfg.mechanism == "lamemo" and not cfg.lamemo.look_ahead:
-        # LaMemo Table 3 "w/o look-ahead": only C→, which is exactly Transformer-XL.
-        return TransformerXL
-    return _CORES[cfg.mechanism]
+    return cfg.mech.core_class(cfg)
 
 
 class MemoryLM(SegmentLM):
@@ -54,14 +44,11 @@ class MemoryLM(SegmentLM):
         self._init_backbone()
 
     def _init_backbone(self) -> None:
-        """XL code init: N(0, init_std) weights, zero biases, LayerNorm gain N(1, init_std)."""
+        """XL code init: N(0, init_std) weights, zero biases, LayerNorm gain N(1, init_std);
+        the parameters the mechanism initialises itself (`Mechanism.own_init`) are left."""
+        own = self.cfg.mech.own_init
         for name, p in self.core.named_parameters():
-            if "memory_init" in name or "memory_layer_norm" in name:  # the RMT sets them
-                continue
-            if name.startswith("associative."):
-                # ARMT's blocks keep the authors' init: nn.Linear's default for W_q, W_k and
-                # the gate, W_v = 0 (model/associative.py). N(0, init_std) keys would make
-                # phi(k)^T z of the order of the denominators' eps.
+            if own and name.startswith(own):
                 continue
             if "layer_norm" in name:
                 if name.endswith("weight"):
@@ -93,22 +80,10 @@ class MemoryLM(SegmentLM):
             out.log_probs = self.softmax(flat).view(bsz, seg, -1)
         if targets is None:
             return out
-        nll = self.softmax(flat, targets.reshape(-1)).view(bsz, seg)
-        if loss_mask is None:
-            loss_mask = torch.ones_like(nll, dtype=torch.bool)
-        nll = nll * loss_mask
-        out.nll = nll
-        out.n_tokens = loss_mask.sum()
-        out.loss = nll.sum() / out.n_tokens.clamp(min=1)
-        opts = self.cfg.rmt
-        if self.cfg.mechanism == "rmt" and opts.mem_loss_weight > 0:
-            # RMT §3.4: each write output predicts a fixed reserved token, weight 0.01 in
-            # the paper; which outputs are predicted is unspecified (our choice: every write row).
-            write = new_state.tokens.reshape(-1, hidden.shape[-1])
-            # On the host: the adaptive softmax routes host targets without a device sync.
-            target = torch.full((write.shape[0],), opts.mem_loss_token)
-            out.aux_loss = self.softmax(write, target).mean()
-            out.loss = out.loss + opts.mem_loss_weight * out.aux_loss
+        add_lm_loss(out, self.softmax(flat, targets.reshape(-1)).view(bsz, seg), loss_mask)
+        # The mechanism's weighted auxiliary loss (RMT §3.4), apart from the LM loss: the
+        # training step adds it for backward (train/bptt.py).
+        out.aux_loss = self.cfg.mech.aux_loss(self.cfg, self.softmax, new_state)
         return out
 
 

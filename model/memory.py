@@ -1,4 +1,5 @@
-"""Memory state carried from one segment to the next: one protocol, three mechanisms.
+"""Memory state carried from one segment to the next: one protocol for every mechanism
+(Transformer-XL, LaMemo, RMT, ARMT, and any registered one, model/mechanisms/).
 
 Everything outside model/ (training loop, checkpoints, evaluation, generation) speaks only
 this protocol and never asks which mechanism it runs:

@@ -64,7 +64,7 @@ def memory_token_parameters(cfg: ModelConfig) -> tuple[Learned, nn.LayerNorm | N
     # (docs/rmt.md): the init is not what decides learning, the layer norm placement is;
     # pre-LN learns from either init, post-LN from neither.
     std = cfg.init_std * cfg.d_model ** 0.5
-    memory_init = Learned(torch.randn(cfg.rmt.num_mem_tokens, cfg.d_model) * std)
+    memory_init = Learned(torch.randn(cfg.mech.num_mem_tokens(cfg), cfg.d_model) * std)
     # Pre-LN leaves the residual stream unnormalised, and the write outputs become the next
     # segment's layer-0 inputs, so without a norm the memory grows with every segment it
     # passes (measured at init: x44 over 200 segments of a stream) until the tokens cannot
@@ -76,6 +76,33 @@ def memory_token_parameters(cfg: ModelConfig) -> tuple[Learned, nn.LayerNorm | N
         if cfg.rmt.memory_norm == "embedding":
             nn.init.constant_(norm.weight, std)
     return memory_init, norm
+
+
+def initial_memory(batch_size: int, m: int, d: int, device=None) -> RMTMemory:
+    """RMT's initial state, on either backbone: every row `fresh` (its first segment reads
+    the learned initial memory); the token slots are zeros until written. No XL cache yet:
+    whether there is one is decided in forward by the run-time lengths (evaluation may
+    switch it on or off), the one source of mem_len."""
+    return RMTMemory(tokens=torch.zeros(batch_size, m, d, device=device),
+                     fresh=torch.ones(batch_size, dtype=torch.bool, device=device))
+
+
+def memory_inputs(init_memory: torch.Tensor, state: RMTMemory, bsz: int, dtype
+                  ) -> torch.Tensor:
+    """RMT's read (and write) block inputs [B, m, d], on either backbone: the carried
+    memory, the learned initial one in the rows that start a document (`fresh`)."""
+    init = init_memory.to(dtype)[None].expand(bsz, -1, -1)
+    return torch.where(state.fresh[:, None, None], init, state.tokens.to(dtype))
+
+
+def write_rows(h: torch.Tensor, start: int, norm: nn.Module | None = None) -> torch.Tensor:
+    """The write outputs h[:, start:] that become the next memory (RMT, and ARMT's carried
+    tokens, on either backbone): through the memory LayerNorm, or a copy of the rows, not a
+    view: a view keeps the whole [B, rows, d] output alive for as long as the memory lives,
+    which under segment checkpointing is every segment of the BPTT window (the next segment
+    keeps its input memory)."""
+    write = h[:, start:]
+    return norm(write) if norm is not None else write.clone()
 
 
 def side_cache(state, lengths: Lengths, bsz: int, device) -> XLMemory | None:
@@ -101,7 +128,7 @@ class RMT(RelativeBackbone):
         cache of §3.4 when mem_len > 0), signed distances D = Q + K - 1 (memory rows look
         right inside their blocks). The state: a copy of the write rows [B, m, d] (or the
         memory LayerNorm's output, which reads them as a view of the output) and the cache."""
-        m, n = cfg.rmt.num_mem_tokens, cfg.tgt_len
+        m, n = cfg.mech.num_mem_tokens(cfg), cfg.tgt_len
         q = 2 * m + n
         k = mem_len + q
         attn = AttentionShape(q, k, q + k - 1, q_input=q, kv_input=k, mask_per_row=mem_len > 0)
@@ -123,10 +150,7 @@ class RMT(RelativeBackbone):
 
     def empty_state(self, batch_size: int, device=None) -> RMTMemory:
         m, d = self.init_memory.shape
-        # No XL cache yet: whether there is one is decided in forward by the run-time
-        # lengths (evaluation may switch it on or off), the one source of mem_len.
-        return RMTMemory(tokens=torch.zeros(batch_size, m, d, device=device),
-                         fresh=torch.ones(batch_size, dtype=torch.bool, device=device))
+        return initial_memory(batch_size, m, d, device)
 
     def forward(self, h0: torch.Tensor, state: RMTMemory | None, lengths: Lengths):
         """h0 [B, L, d] -> (token hidden [B, L, d], RMTMemory with the write outputs)."""
@@ -135,8 +159,7 @@ class RMT(RelativeBackbone):
             state = self.empty_state(bsz, h0.device)
         init_memory = self.memory_init()
         m = init_memory.shape[0]
-        init = init_memory.to(h0.dtype)[None].expand(bsz, -1, -1)
-        mem_in = torch.where(state.fresh[:, None, None], init, state.tokens.to(h0.dtype))
+        mem_in = memory_inputs(init_memory, state, bsz, h0.dtype)
         x = torch.cat([mem_in, h0, mem_in], dim=1)
         n_q = x.shape[1]
 
@@ -160,14 +183,6 @@ class RMT(RelativeBackbone):
                                layout)
         h = self.drop(h)  # write outputs are taken after the final dropout (RMT code)
         new_cache = cache.appended(layer_inputs, lengths.mem_len) if cache is not None else None
-        write = h[:, m + n_tok:]
-        if self.memory_layer_norm is not None:
-            write = self.memory_layer_norm(write)
-        else:
-            # A copy of the m rows, not a view: a view keeps the whole [B, 2m+L, d] output
-            # alive for as long as the memory lives, which under segment checkpointing is
-            # every segment of the BPTT window (the next segment keeps its input memory).
-            write = write.clone()
-        new_state = RMTMemory(tokens=write,
+        new_state = RMTMemory(tokens=write_rows(h, m + n_tok, self.memory_layer_norm),
                               fresh=torch.zeros_like(state.fresh), cache=new_cache)
         return h[:, m:m + n_tok], new_state

@@ -32,11 +32,23 @@ class LMOutput:
     nll: torch.Tensor | None = None
     # Number of tokens counted in `nll` (sum of loss_mask), for exact per-token means.
     n_tokens: torch.Tensor | None = None
-    # Mean NLL over counted tokens, plus the weighted auxiliary loss if any: what to minimise.
+    # Mean NLL over counted tokens (the LM loss).
     loss: torch.Tensor | None = None
+    # The mechanism's weighted auxiliary loss, if it has one (RMT §3.4): what to minimise
+    # is loss + aux_loss (train/bptt.py adds them).
     aux_loss: torch.Tensor | None = None
     # Log-probabilities [B, L, V], only when asked for (costly with a 267k vocabulary).
     log_probs: torch.Tensor | None = None
+
+
+def add_lm_loss(out: LMOutput, nll: torch.Tensor, loss_mask: torch.Tensor | None) -> None:
+    """Fill `out`'s nll (nll [B, L] where loss_mask [B, L] holds, 0 elsewhere), n_tokens and
+    loss (their mean) from the per-token NLL: every backbone scores the same way."""
+    if loss_mask is None:
+        loss_mask = torch.ones_like(nll, dtype=torch.bool)
+    out.nll = nll * loss_mask
+    out.n_tokens = loss_mask.sum()
+    out.loss = out.nll.sum() / out.n_tokens.clamp(min=1)
 
 
 class SegmentLM(nn.Module):

@@ -1,12 +1,12 @@
 """The shapes of one training segment, as each mechanism states them for a memory count.
 
-Every mechanism class (model/transformer_xl.py, model/lamemo.py, model/rmt.py) has a
+Every mechanism's native class (model/transformer_xl.py, lamemo.py, rmt.py, armt.py) has a
 classmethod `segment_shapes(cfg, rows, mem_len) -> SegmentShapes`: one segment of `rows`
 batch rows with a full memory of `mem_len` entries, told as the rows and columns of its
 attention calls, the rows through each layer's W_o and FFN, what else a layer saves for
 backward, and the state it carries to the next segment. The GPU-memory planner (planner/)
-turns these into bytes and never asks which mechanism it plans; `model.lm.core_class` is
-the registry that picks the class for `ModelConfig.mechanism`.
+turns these into bytes and never asks which mechanism it plans; the mechanism registry
+(model/mechanisms/) picks the class for `ModelConfig.mechanism` (`model.lm.core_class`).
 
 A layer whose code is not ours (a pretrained Hugging Face decoder, model/pretrained/shapes.py)
 is stated tensor by tensor instead (`StatedLayer`): the tensors each stretch of its forward
@@ -147,6 +147,24 @@ class SegmentShapes:
 
     def state_bytes(self, model_bytes: int) -> int:
         return sum(t.nbytes(model_bytes) for t in self.state)
+
+
+@dataclass(frozen=True)
+class MemoryRows:
+    """What a mechanism adds to a pretrained decoder's segment (model/pretrained/shapes.py
+    states the base model's own blocks around it): its `Mechanism.pretrained_rows`."""
+
+    rows: int                   # rows through every decoder layer (tokens and memory)
+    own_mask: bool              # the base model's own causal mask (no mask passed in)
+    input_rows: int             # rows of a layer's input kept by layer checkpointing
+    state: tuple[TensorShape, ...]   # the state carried to the next segment
+    state_text: str
+    # Carried-state tensors every layer's backward reads (their gradient stays alive
+    # through the whole segment's backward).
+    state_read: tuple[TensorShape, ...] = ()
+    blocks: tuple[StatedBlock, ...] = ()        # its stated blocks before a layer's own
+    embedding_saved: tuple[TensorShape, ...] = ()   # what its input side keeps
+    saved_label: str = ""
 
 
 def xl_cache(cfg, rows: int, mem_len: int) -> tuple[tuple[TensorShape, ...], str]:

@@ -102,8 +102,14 @@ def build_dataclass(cls, values: dict, prefix: str = ""):
     if not isinstance(values, dict):
         raise ConfigError(prefix or cls.__name__, f"expected a mapping of fields, got "
                           f"{values!r}")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    if hasattr(cls, "config_fields"):
+        # A tree whose fields depend on what is registered (ModelConfig: one section per
+        # registered mechanism) states them itself, from the values given.
+        hints = cls.config_fields(values)
+        known = set(hints)
+    else:
+        hints = typing.get_type_hints(cls)
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
     for key in values:
         if key not in known:
             raise ConfigError(_join(prefix, key), f"unknown field; known fields: "

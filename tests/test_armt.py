@@ -209,3 +209,21 @@ def test_config_refuses_what_armt_cannot_run():
         with pytest.raises(ConfigError) as info:
             ModelConfig(**{**base, **bad})
         assert info.value.field == field, bad
+
+
+def test_armt_counts_its_own_memory_tokens_and_reads_older_configs_model_rmt_count():
+    from model import ConfigError
+    base = dict(mechanism="armt", vocab_size=V, tgt_len=L, mem_len=0)
+    own = ModelConfig(**base, armt={"num_mem_tokens": 5})
+    older = ModelConfig.from_dict({**base, "rmt": {"num_mem_tokens": 3}})   # before the field
+    assert own.mech.num_mem_tokens(own) == 5 and older.mech.num_mem_tokens(older) == 3
+    assert build_model(own).core.memory_init.value.shape[0] == 5
+    for cfg in (own, older):
+        back = ModelConfig.from_dict(cfg.to_dict())
+        assert back == cfg and back.mech.num_mem_tokens(back) == cfg.mech.num_mem_tokens(cfg)
+    with pytest.raises(ConfigError) as info:
+        ModelConfig(**base, armt={"num_mem_tokens": 5}, rmt={"num_mem_tokens": 3})
+    assert info.value.field == "model.armt.num_mem_tokens"
+    with pytest.raises(ConfigError) as info:
+        ModelConfig(**base, armt={"num_mem_tokens": 0})
+    assert info.value.field == "model.armt.num_mem_tokens"

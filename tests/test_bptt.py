@@ -149,6 +149,26 @@ def test_window_loss_is_the_token_weighted_mean_of_the_counted_segments():
     torch.testing.assert_close(res.loss, total / (3 * 2 * L))
 
 
+def test_the_window_backpropagates_the_lm_loss_plus_the_mean_auxiliary_loss():
+    """RMT §3.4's auxiliary loss is the model's `aux_loss`, apart from its LM `loss`; the
+    window adds their means for backward and reports the LM loss alone (nll_sum)."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(mechanism="rmt", vocab_size=V, n_layer=2, d_model=32,
+                                    n_head=2, d_inner=64, tgt_len=L, mem_len=0, dropout=0.0,
+                                    rmt={"num_mem_tokens": 3, "mem_loss_weight": 0.5,
+                                         "mem_loss_token": 1}))
+    segs = _segments(2)
+    res = run_window(model, None, segs, torch.device("cpu"))
+    state, nll, aux = None, 0.0, 0.0
+    for seg in segs:
+        out = model(seg.tokens[:, :-1], state, targets=seg.tokens[:, 1:])
+        assert out.aux_loss is not None
+        torch.testing.assert_close(out.loss, out.nll.sum() / out.n_tokens)
+        state, nll, aux = out.state, nll + out.nll.sum(), aux + out.aux_loss
+    torch.testing.assert_close(res.nll_sum, nll.detach())
+    torch.testing.assert_close(res.loss, nll / (2 * 2 * L) + aux / 2)
+
+
 def _tiny_token_manifest(tmp_path, rows: int, steps: int):
     """A token split of exactly `rows` streams of `steps` segments of L: the epoch ends
     after `steps` batches."""

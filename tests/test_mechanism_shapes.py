@@ -13,9 +13,9 @@ import torch
 from reference import tiny_config
 
 import model.attention as attention
-import model.config
 import model.lm
 from model import build_model
+from model.mechanisms import Mechanism, register, unregister
 from model.shapes import AttentionShape, LayerShape, SegmentShapes, TensorShape
 from model.transformer_xl import TransformerXL
 from planner.activations import Dims, count_params, state_bytes
@@ -92,9 +92,15 @@ class Sinks(TransformerXL):
 
 
 @pytest.fixture
-def sinks(monkeypatch):
-    monkeypatch.setitem(model.lm._CORES, "sinks", Sinks)
-    monkeypatch.setattr(model.config, "MECHANISMS", (*model.config.MECHANISMS, "sinks"))
+def sinks():
+    @register
+    class SinksMechanism(Mechanism):
+        name = "sinks"
+
+        def core_class(self, cfg):
+            return Sinks
+    yield
+    unregister("sinks")
 
 
 def test_a_registered_mechanism_is_planned_from_the_shapes_it_states(sinks, capsys):

@@ -123,14 +123,18 @@ def test_loss_covers_only_masked_in_token_positions():
         torch.testing.assert_close(model(x, targets=y2, loss_mask=mask).loss, out.loss)
 
 
-def test_auxiliary_memory_loss_is_added_with_its_weight():
+def test_auxiliary_memory_loss_is_weighted_and_kept_apart_from_the_lm_loss():
     model = tiny_model("rmt", rmt={"num_mem_tokens": 2, "mem_loss_weight": 0.01,
                                    "mem_loss_token": 5})
     x = torch.randint(0, 23, (2, 4))
     with torch.no_grad():
         out = model(x, targets=x)
+        # RMT §3.4: every write row predicts mem_loss_token, weighted by mem_loss_weight.
+        write = out.state.tokens.reshape(-1, out.state.tokens.shape[-1])
+        unweighted = model.softmax(write, torch.full((write.shape[0],), 5)).mean()
     assert out.aux_loss is not None and out.aux_loss > 0
-    torch.testing.assert_close(out.loss, out.nll.sum() / out.n_tokens + 0.01 * out.aux_loss)
+    torch.testing.assert_close(out.aux_loss, 0.01 * unweighted)
+    torch.testing.assert_close(out.loss, out.nll.sum() / out.n_tokens)   # the LM loss only
 
 
 @pytest.mark.parametrize("pre_lnorm, memory_norm, bounded", [

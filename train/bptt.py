@@ -96,9 +96,8 @@ def run_window(forward, state: MemoryState | None, segments: list[SegmentBatch],
         nll_sum = seg_nll if nll_sum is None else nll_sum + seg_nll
         n_tok = out.n_tokens if n_tok is None else n_tok + out.n_tokens
         if out.aux_loss is not None:
-            # out.loss = mean NLL + w * aux (RMT §3.4); keep the weighted part per segment.
-            part = out.loss - seg_nll / out.n_tokens.clamp(min=1)
-            aux = part if aux is None else aux + part
+            # The mechanism's weighted auxiliary loss (RMT §3.4), apart from the LM loss.
+            aux = out.aux_loss if aux is None else aux + out.aux_loss
             n_aux += 1
         with torch.no_grad():
             hits = _hits(out, tokens[:, 1:], mask)

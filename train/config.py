@@ -237,7 +237,8 @@ class RunConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # The model writes its mechanisms' sections itself (model/config.py `to_dict`).
+        return {**dataclasses.asdict(self), "model": self.model.to_dict()}
 
     @property
     def resolved_run_dir(self) -> Path:

@@ -25,12 +25,11 @@ from safetensors.torch import load_file, save_file
 
 from model import ModelConfig, backbone_of, build_model
 from model.io import save_model
+from model.mechanisms.registry import by_authors_format
 from model.pretrained.authors_format import (
     lora_state,
     split_armt_authors_state,
     split_authors_state,
-    to_armt_authors_state,
-    to_authors_state,
 )
 
 # Buffers older transformers saved in state dicts and current ones rebuild (GPT-2's causal
@@ -92,15 +91,11 @@ def import_authors(state_path: str | Path, base_dir: str | Path, segment_size: i
     with contextlib.suppress(OSError, ValueError, TypeError):   # no tokenizer: ids only
         AutoTokenizer.from_pretrained(str(base_dir), local_files_only=True).save_pretrained(
             out / "base")
-    section = {"mechanism": "rmt", "backbone": "hf", "tgt_len": segment_size, "mem_len": 0,
-               "dropout": 0.0, "rmt": {"num_mem_tokens": memory.shape[0], "pattern": "causal"},
+    section = {"backbone": "hf", "tgt_len": segment_size, "mem_len": 0, "dropout": 0.0,
+               **by_authors_format(fmt).authors_section(
+                   memory.shape[0], segment_size, d_key=d_mem, correction=correction,
+                   placement=placement),
                "hf": {"path": str((out / "base").resolve()), "finetune": "frozen"}}
-    if fmt == "armt-authors":   # their AssociativeLayerWrapper: DPFP nu 3, gated writes
-        section.update(mechanism="armt", armt={
-            "d_key": d_mem, "feature_map": "dpfp", "nu": 3, "gate": True,
-            "correction": correction, "authors_gamma": True, "carry_tokens": False,
-            "memory_positions": placement})
-        section["rmt"].pop("pattern")
     model = build_model(ModelConfig.from_dict(section))
     with torch.no_grad():
         model.memory_init.value.copy_(memory)
@@ -138,12 +133,7 @@ def export_authors(model, out: str | Path) -> Path:
     AssociativeRecurrentWrapper; LoRA merged), as a torch file or .safetensors by the name's
     suffix."""
     out = Path(out)
-    if model.cfg.mechanism == "armt":
-        layers = model.base.base_model.get_submodule(model.layers_name)
-        path = next(n for n, mod in model.base.named_modules() if mod is layers)
-        state = to_armt_authors_state(model, path)
-    else:
-        state = to_authors_state(model)
+    state = model.cfg.mech.authors_state(model)
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".safetensors":
         # Tied weights are one tensor: safetensors wants them stored apart.
@@ -156,7 +146,7 @@ def export_authors(model, out: str | Path) -> Path:
 def memory_config(model) -> dict:
     cfg = model.cfg
     return {"mechanism": cfg.mechanism, "pattern": cfg.rmt.pattern,
-            "num_mem_tokens": cfg.rmt.num_mem_tokens, "segment_length": cfg.tgt_len,
+            "num_mem_tokens": cfg.mech.num_mem_tokens(cfg), "segment_length": cfg.tgt_len,
             "base": cfg.hf.path, "base_revision": cfg.hf.revision,
             "memtrain_model_config": cfg.to_dict()}
 

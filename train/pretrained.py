@@ -115,7 +115,8 @@ def build_for_engine(model_cfg: ModelConfig, ds_config: dict,
         if is_main:
             print(f"memtrain: ZeRO-3 loaded the pretrained base partitioned: elements held "
                   f"per rank {shares} of {full}", flush=True)
-    scale = memory_scale(base, dtype) if model_cfg.rmt.num_mem_tokens else None
+    scale = (memory_scale(base, dtype) if model_cfg.mech.num_mem_tokens(model_cfg)
+             else None)
     model = build_model(model_cfg, base=base, memory_scale=scale)
     if sharded:
         # The memory (and LoRA adapters) were made outside zero.Init, in fp32. DeepSpeed

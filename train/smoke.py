@@ -21,6 +21,7 @@ import torch
 
 from data_pipeline.synthetic import contiguous_streams, repeat_block_stream
 from model import ModelConfig, build_model
+from model.mechanisms import get, names
 
 SEG_LEN = 16
 N_STREAMS = 16
@@ -32,7 +33,7 @@ def _config(mechanism: str, mem_len: int) -> ModelConfig:
     # almost no gradient, so it stays at chance (docs/rmt.md).
     return ModelConfig(mechanism=mechanism, vocab_size=N_SYMBOLS, n_layer=2, d_model=64,
                        n_head=4, d_inner=256, dropout=0.0, tgt_len=SEG_LEN, mem_len=mem_len,
-                       pre_lnorm=mechanism in ("rmt", "armt"), rmt={"num_mem_tokens": 16},
+                       pre_lnorm=get(mechanism).memory_tokens, rmt={"num_mem_tokens": 16},
                        armt={"d_key": 16})
 
 
@@ -94,8 +95,7 @@ def evaluate(model, seed: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="memtrain smoke", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mechanism", choices=["all", "xl", "lamemo", "rmt", "armt"],
-                        default="all")
+    parser.add_argument("--mechanism", choices=["all", *names()], default="all")
     parser.add_argument("--steps", type=int, default=500, help="optimizer steps per model")
     parser.add_argument("--seed", type=int, default=0)
     # Tiny tensors: one intra-op thread is fastest (a second one mostly waits).
@@ -109,10 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     # (label, mechanism, mem_len, BPTT depth): RMT's (and ARMT's) memory tokens learn to
     # write only if the next segment's loss reaches them, so they train on windows of 2.
     runs = [("baseline (xl, mem_len 0)", "xl", 0, 0)]
-    # ARMT only by name: on this stream it stays at chance to 1000 steps (docs/armt.md), so
-    # it would not show what the smoke run is for.
-    mechs = ["xl", "lamemo", "rmt"] if args.mechanism == "all" else [args.mechanism]
-    runs += [(m, m, 0, 1) if m in ("rmt", "armt") else (m, m, SEG_LEN, 0) for m in mechs]
+    # "all": those in the smoke set (ARMT only by name: on this stream it stays at chance to
+    # 1000 steps, docs/armt.md, so it would not show what the smoke run is for).
+    mechs = ([m for m in names() if get(m).in_smoke] if args.mechanism == "all"
+             else [args.mechanism])
+    runs += [(m, m, 0, 1) if get(m).memory_tokens else (m, m, SEG_LEN, 0) for m in mechs]
     print(f"repeat-block stream, segment {SEG_LEN}, {N_STREAMS} streams, {args.steps} steps; "
           f"chance = ln 16 = {math.log(16):.3f} nats")
     print(f"{'model':<26}{'params':>9}{'repeat NLL':>12}{'train s':>9}")

@@ -1,4 +1,5 @@
-"""model/pretrained/: RMT memory tokens around a pretrained Hugging Face causal LM.
+"""model/pretrained/: a memory mechanism (RMT, ARMT, or any registered one that states how,
+model/mechanisms/) around a pretrained Hugging Face causal LM.
 
     architectures.py  the one table of supported architectures (model_type -> position
                    scheme, feed-forward width field, planner layout, logits' post-processing)
@@ -8,7 +9,8 @@
     loading.py     load the weights and tokenizer; freeze, or attach LoRA adapters (peft)
     positions.py   where the memory tokens sit: the position ids and attention pattern
     wrapper.py     PretrainedMemoryLM: the same (tokens, memory) -> (loss, memory) model as
-                   the native stack, so the engine never asks which one it runs
+                   the native stack, so the engine never asks which one it runs; the
+                   mechanism's own module runs each segment around the base decoder
 
 Knows nothing of DeepSpeed, MLflow or SLURM: a sharded ZeRO-3 load is train/'s business
 (train/pretrained.py), which hands this package the already-built base model.

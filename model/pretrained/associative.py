@@ -113,7 +113,7 @@ def associative_pass(layers: nn.ModuleList, blocks: nn.ModuleList, state: Associ
             h.remove()
 
 
-def associative_shapes(cfg, rows: int, q: int, trained_params: int
+def associative_shapes(cfg, rows: int, q: int, m: int, trained_params: int
                        ) -> tuple[StatedBlock, tuple[TensorShape, ...], str,
                                   tuple[TensorShape, ...]]:
     """For the planner (shapes.py): one layer's associative read and write as a stated
@@ -129,7 +129,7 @@ def associative_shapes(cfg, rows: int, q: int, trained_params: int
     made inside the window from its second segment on, in its first one they are the
     carried state itself (counted once more)."""
     o, t = cfg.armt, TensorShape
-    b, m, d, dk = rows, cfg.rmt.num_mem_tokens, cfg.d_model, o.d_key
+    b, d, dk = rows, cfg.d_model, o.d_key
     d_phi = FeatureMap(o.feature_map, o.nu).out_dim(dk)
     fp32 = lambda *shape, n=1: t(shape, "fp32", count=n, category="extra")  # noqa: E731
     block = StatedBlock(

@@ -79,11 +79,10 @@ def merged_base_state(model) -> dict[str, torch.Tensor]:
 
 def to_authors_state(model) -> dict[str, torch.Tensor]:
     """PretrainedMemoryLM (RMT, `pattern: causal`) -> a RecurrentWrapper state dict."""
-    if model.cfg.mechanism != "rmt" or model.cfg.rmt.pattern != "causal":
+    if model.cfg.rmt.pattern != "causal":
         raise ValueError(f"the RMT authors' wrapper runs RMT with its causal pattern; this "
-                         f"model is {model.cfg.mechanism!r} with pattern "
-                         f"{model.cfg.rmt.pattern!r} (model.rmt.pattern), whose outputs "
-                         "their code would not reproduce")
+                         f"model has pattern {model.cfg.rmt.pattern!r} (model.rmt.pattern), "
+                         "whose outputs their code would not reproduce")
     if model.memory_init is None:
         raise ValueError("the model has no memory tokens (model.rmt.num_mem_tokens 0)")
     state = {"memory_cell.memory": model.memory_init().detach().float().clone()}
@@ -168,11 +167,11 @@ def to_armt_authors_state(model, layers_path: str) -> dict[str, torch.Tensor]:
     """PretrainedMemoryLM (ARMT) -> an AssociativeRecurrentWrapper state dict, the decoder
     layers at `layers_path` (e.g. 'transformer.h' for GPT-2, 'model.layers' for Llama)."""
     cfg = model.cfg
-    if cfg.mechanism != "armt" or cfg.armt.memory_positions == "fixed":
+    if cfg.armt.memory_positions == "fixed":
         raise ValueError("the ARMT authors' code places the memory right after the segment "
                          "or in the last rows of GPT-2's table: export an ARMT model with "
                          "model.armt.memory_positions 'follow' or 'table_end' (this one: "
-                         f"{cfg.mechanism!r}, {cfg.armt.memory_positions!r})")
+                         f"{cfg.armt.memory_positions!r})")
     o = cfg.armt
     if o.correction and not o.authors_gamma:
         import warnings

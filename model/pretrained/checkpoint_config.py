@@ -131,17 +131,16 @@ def check_segment_positions(cfg, seg_len: int, option: str) -> None:
 def _check_table(hf, cfg, seg_len: int, option: str) -> None:
     kind = position_kind(hf)
     limit = getattr(hf, "max_position_embeddings", None)
-    blocks = 1 if cfg.mechanism == "armt" else 2
-    need = max_position(cfg.rmt.num_mem_tokens, seg_len, blocks)
-    table_end = cfg.mechanism == "armt" and cfg.armt.memory_positions == "table_end"
-    if table_end and kind != "absolute":
-        raise ConfigError("model.armt.memory_positions", f"'table_end' places the memory in "
-                          f"a learned position table; {hf.model_type!r} has {kind} positions")
-    # With 'table_end' the memory owns the table's last m rows; the tokens stay below them.
+    mech = cfg.mech
+    blocks, m = mech.memory_blocks, mech.num_mem_tokens(cfg)
+    need = max_position(m, seg_len, blocks)
+    mech.check_positions(cfg, kind, hf.model_type)
+    # With ARMT's 'table_end' the memory owns the table's last m rows; the tokens stay
+    # below them.
     if kind == "absolute" and limit is not None and need > limit:
         what = "tgt_len" if option.endswith("tgt_len") else "segment length"
         raise ConfigError(option, f"{blocks} x num_mem_tokens + {what} = {need} positions "
-                          f"({blocks} x {cfg.rmt.num_mem_tokens} + {seg_len}), beyond the "
+                          f"({blocks} x {m} + {seg_len}), beyond the "
                           f"model's learned table of {limit}")
 
 

@@ -37,9 +37,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..memory import MemoryState
-from .associative import associative_pass
 from .logits import lm_logits
-from .positions import memory_attention_mask
 
 
 def _cache_keyword(decoder) -> str:
@@ -55,13 +53,17 @@ class CachedSegment:
     `predict` brings the KV cache up to every token read and returns the next token's
     log-probabilities [B, V] (float32); `commit` returns the memory after the tokens."""
 
-    def __init__(self, model, state: MemoryState):
+    def __init__(self, model, state: MemoryState, offset: int = 0, read_block=None,
+                 reads=None):
+        """The mechanism (model/mechanisms/) says where its token rows sit: `offset` rows
+        before them (RMT's read block; ARMT's tokens come first), `read_block(bsz, dtype)`
+        -> (those rows' inputs, their mask or None), and `reads(n_tok)`, a context around
+        each decoder call over token rows (ARMT's associative reads of the committed
+        state)."""
         self.model, self.state = model, state
         self.decoder = model.base.base_model
         self.cache_keyword = _cache_keyword(self.decoder)
-        self.armt = model.associative is not None
-        # RMT's tokens sit after the m read rows; ARMT's first (module docstring).
-        self.offset = 0 if self.armt else model.num_mem_tokens
+        self.offset, self.read_block, self.reads = offset, read_block, reads
         self.tokens: torch.Tensor | None = None
         self.n_cached = 0          # tokens whose rows are in the cache
         self.cache = None          # the decoder's KV cache, made by its first call
@@ -71,7 +73,7 @@ class CachedSegment:
 
     def predict(self, tokens: torch.Tensor) -> torch.Tensor:
         self.read(tokens)
-        if self.cache is None and self.offset:
+        if self.cache is None and self.read_block is not None:
             self._read_block()
         new = self.tokens[:, self.n_cached:]
         hidden = self._run(self.model.base.get_input_embeddings()(new),
@@ -99,23 +101,17 @@ class CachedSegment:
         return out[0]
 
     def _read_block(self) -> None:
-        """RMT: the m read rows at positions 0 .. m-1, with the read block's own mask for
-        the pattern (the top-left m x m of the segment's mask; "causal": none given, the
-        base model's own)."""
-        model, bsz = self.model, self.tokens.shape[0]
-        m, dtype = self.offset, model.base.get_input_embeddings().weight.dtype
-        x = model.memory_inputs(self.state, bsz, dtype)
-        mask = memory_attention_mask(m, 0, dtype, model.base.config._attn_implementation,
-                                     x.device, model.cfg.rmt.pattern)
-        self._call(x, 0, None if mask is None else mask[..., :m, :m])
+        """The rows before the tokens (RMT's m read rows at positions 0 .. m-1, with the
+        read block's own mask for the pattern)."""
+        dtype = self.model.base.get_input_embeddings().weight.dtype
+        x, mask = self.read_block(self.tokens.shape[0], dtype)
+        self._call(x, 0, mask)
 
     def _run(self, emb: torch.Tensor, start: int) -> torch.Tensor:
         """Token rows after every cached row, under the base model's own causal mask over
         cached + new rows (no mask given: their positions are contiguous, so transformers
         finds no packed-sequence split in them, positions.py)."""
-        if not self.armt:
+        if self.reads is None:
             return self._call(emb, start, None)
-        layers = self.decoder.get_submodule(self.model.layers_name)
-        with associative_pass(layers, self.model.associative, self.state, emb.shape[1],
-                              write=False):
+        with self.reads(emb.shape[1]):
             return self._call(emb, start, None)

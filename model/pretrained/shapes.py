@@ -51,7 +51,6 @@ from dataclasses import dataclass
 from ..shapes import SdpaShape, SegmentShapes, StatedBlock, StatedLayer, TensorShape
 from ..typed import ConfigError
 from .architectures import ARCHITECTURES, GPT2, Layout, architecture, planned
-from .associative import associative_shapes
 from .checkpoint_config import SHAPE_FIELDS, hf_config, require_shape
 
 # [B, Q, I] tensors an activation keeps: its input (SiLU, exact and tanh GELU kernels), or
@@ -182,8 +181,8 @@ def base_facts(cfg) -> Base:
     tries."""
     require_shape(cfg, "the planner's segment shapes")
     key = {"mechanism": cfg.mechanism, "backbone": "hf", "mem_len": 0, "tgt_len": 1,
-           "rmt": {"num_mem_tokens": cfg.rmt.num_mem_tokens},
-           "armt": dataclasses.asdict(cfg.armt), "hf": dataclasses.asdict(cfg.hf),
+           **{name: dataclasses.asdict(o) for name, o in cfg.sections.items()},
+           "hf": dataclasses.asdict(cfg.hf),
            **{name: getattr(cfg, name) for name in SHAPE_FIELDS}}
     return _base(json.dumps(key, sort_keys=True))
 
@@ -258,10 +257,11 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
     allocator's events of each backward node (benchmarks/bench_memory_plan.py)."""
     f = base_facts(cfg)
     lay = ARCHITECTURES[f.model_type].layout
-    b, m, n = rows, cfg.rmt.num_mem_tokens, cfg.tgt_len
-    armt = cfg.mechanism == "armt"
-    q = n + m if armt else 2 * m + n     # [tokens | memory] or [read | tokens | write]
-    no_mask = armt or cfg.rmt.pattern == "causal"     # the base model's own causal mask
+    b, n = rows, cfg.tgt_len
+    # The mechanism's rows: RMT's [read | tokens | write], ARMT's [tokens | memory], ...
+    mem = cfg.mech.pretrained_rows(cfg, b, f.trained["associative"])
+    m = cfg.mech.num_mem_tokens(cfg)
+    q, no_mask = mem.rows, mem.own_mask      # no mask: the base model's own causal one
     d, h, dh, inner = cfg.d_model, cfg.n_head, cfg.d_head, cfg.d_inner
     vocab, lin, t = cfg.vocab_size, f.linears, TensorShape
     g, gi = t((b, q, d)), t((b, q, inner))      # a gradient of the residual stream / the FFN
@@ -314,19 +314,15 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
         alive=(g,), phases=((gi, *_weights([lin[lay.ffn_out]], inner, d)),),
         trained_params=f.trained["ffn-out"],
         ops=(*mm([lin[lay.ffn_out]], [d], inner), *_draws(f.dropout, (b, q, d))))
-    blocks = (attention, attention_out, ffn, ffn_out)
-    state, state_text = (t((b, m, d)),), f"RMT memory [{b}, {m}, {d}]"
-    state_read = ()
-    if armt:
-        assoc, state, state_text, state_read = associative_shapes(cfg, b, q,
-                                                                  f.trained["associative"])
+    blocks = (*mem.blocks, attention, attention_out, ffn, ffn_out)
+    if mem.state_read:
         # Through a segment's backward the gradient of its incoming state stays alive
         # (each layer's slice adds into it); the planner walks a window's last segment,
         # whose outgoing state has none (the earlier ones hold that one too, with less
         # else alive).
-        blocks = tuple(dataclasses.replace(blk, alive=blk.alive + state_read)
-                       for blk in (assoc, *blocks))
-    layer = StatedLayer(blocks, input_rows=2 * q if armt else q)
+        blocks = tuple(dataclasses.replace(blk, alive=blk.alive + mem.state_read)
+                       for blk in blocks)
+    layer = StatedLayer(blocks, input_rows=mem.input_rows)
     ids = [t((b, n), "int64", category="head")] if f.embedding_trains[0] else []
     tables = [t((vocab, d))] if f.embedding_trains[0] else []    # the dense [V, d] gradient
     if len(f.embedding_trains) > 1 and f.embedding_trains[1]:      # GPT-2's position table
@@ -334,9 +330,7 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
         tables.append(t((f.positions, d)))
     embedding = StatedBlock(
         "embedding",
-        saved=(*ids, *([t((b, 1, 1), "bool")]                   # where(fresh, init, memory)
-                       if m and (not armt or cfg.armt.carry_tokens) else []),
-               *state_read,                                      # ARMT's A and z
+        saved=(*ids, *mem.embedding_saved,        # e.g. where(fresh, init, memory); A, z
                *_dropout(f.embd_dropout, (b, q, d)),
                *([t((b, q, dh), count=2, category="rotary")] if f.rotary else [])),
         alive=(g,), phases=(tuple(tables),),
@@ -358,9 +352,8 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
         # the weight trains, else it runs a bmm (an "attention" matmul to the policies)
         ops=(t((b, n, vocab), category="linear" if f.head.trains or not m else "bmm"),))
     return SegmentShapes((layer,) * cfg.n_layer, distances=0, output_rows=q,
-                         state=state, state_text=state_text, embedding=embedding, head=head,
-                         saved_label="the associative read and write" if armt else
-                         "the memory rows' fresh flags (torch.where)")
+                         state=mem.state, state_text=mem.state_text, embedding=embedding,
+                         head=head, saved_label=mem.saved_label)
 
 
 @dataclass(frozen=True)
