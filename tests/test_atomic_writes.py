@@ -44,7 +44,7 @@ def test_an_export_that_fails_midway_keeps_the_previous_file(tmp_path, monkeypat
             f.write(b"half a file")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("model.io._save_from", killed)
+    monkeypatch.setattr("model.backbones.native._save_from", killed)   # the native writer
     with pytest.raises(KeyboardInterrupt):
         save_model(tiny_model("xl", seed=1), path)
     assert path.read_bytes() == before
