@@ -9,13 +9,15 @@ is its `traits` entry in model/config.py, under the same name.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import ClassVar
 
 from ..config import BACKBONE_TRAITS, BackboneTraits, ConfigError
 
 
-class Backbone:
-    """The defaults are the native stack's answers where there is a natural one."""
+class Backbone(ABC):
+    """The defaults are the native stack's answers where there is a natural one; the
+    abstract methods have none, and a backbone that leaves one out cannot be instantiated."""
 
     name: ClassVar[str]
     # Its weights start from a checkpoint that one device need not hold: at ZeRO-3 train/
@@ -38,6 +40,7 @@ class Backbone:
 
     def require_shape(self, cfg, what: str) -> None:
         """A ConfigError naming the missing step when `what` needs a shape not read yet."""
+        return None   # the native stack's shape is its config's own: always read
 
     def label(self, cfg) -> str:
         """What `memtrain plan` calls the model in its first line."""
@@ -54,14 +57,14 @@ class Backbone:
         return None
 
     # ------------------------------------------------------------------ the model
+    @abstractmethod
     def build(self, cfg, **kwargs):
         """The SegmentLM (model/segment_lm.py) of `cfg`, its shape read."""
-        raise NotImplementedError
 
+    @abstractmethod
     def shape_class(self, cfg):
         """What states a segment's shapes for the planner (`segment_shapes`, model/shapes.py;
         optionally `parameter_counts`)."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ the weights
     def exported_names(self, model) -> list[str] | None:
@@ -72,19 +75,19 @@ class Backbone:
         """Metadata an export carries beyond the model config (model/io.py)."""
         return {}
 
+    @abstractmethod
     def write_weights(self, model, filename: str, metadata: dict[str, str]) -> None:
         """Write the export's tensors to the safetensors file `filename`."""
-        raise NotImplementedError
 
+    @abstractmethod
     def load_weights(self, model, path: str, device) -> None:
         """Load an export written by `write_weights` into `model` (built from its config),
         strictly."""
-        raise NotImplementedError
 
+    @abstractmethod
     def load_state(self, model, state: dict, source: str) -> None:
         """Load a consolidated training checkpoint's fp32 state (train/export.py) into
         `model`: what its export holds, strictly (ValueError naming `source`)."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------------ the data
     def fits_vocabulary(self, cfg, n_ids: int) -> bool:
@@ -102,3 +105,4 @@ class Backbone:
     def check_segment_positions(self, cfg, seg_len: int, option: str) -> None:
         """Refuse (ConfigError naming `option`) a segment length the backbone cannot place;
         relative positions place any."""
+        return None   # the native stack's relative positions place any length

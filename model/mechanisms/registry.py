@@ -116,12 +116,14 @@ class Mechanism:
                           "(backbone 'native')")
 
     def pretrained_initial_state(self, lm, batch_size: int, device=None):
-        raise NotImplementedError
+        raise NotImplementedError(f"mechanism {self.name!r} sets pretrained = True but states "
+                                  "no pretrained_initial_state")
 
     def pretrained_decode(self, lm, emb, state):
         """token embeddings [B, L, d] -> (hidden [B, L, d] after the final norm, new
         state), running `lm.base.base_model`."""
-        raise NotImplementedError
+        raise NotImplementedError(f"mechanism {self.name!r} sets pretrained = True but states "
+                                  "no pretrained_decode")
 
     def pretrained_open_segment(self, lm, state):
         """The open segment of a generation (model/open_segment.py): by default re-read
