@@ -168,8 +168,10 @@ def unregister(name: str) -> None:
 
 
 def _builtins() -> None:
+    # `get` runs on every forward (`cfg.mech`): import only while a built-in is missing.
     for module in BUILTIN:   # each registers itself on import
-        importlib.import_module(f"{__package__}.{module}")
+        if module not in _REGISTRY:
+            importlib.import_module(f"{__package__}.{module}")
 
 
 def get(name: str) -> Mechanism:
