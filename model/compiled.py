@@ -45,6 +45,15 @@ from torch import nn
 _OPTIONS = {"fallback_random": True}
 
 
+def _compile(fn, backend: str):
+    """torch.compile of `fn`. `backend` is Inductor for training; "aot_eager" traces the
+    same graphs (Dynamo, then AOT autograd's forward/backward split) and runs them on eager
+    kernels, building no C++: what the graph counts, graph breaks and the graph limit are
+    decided by, at a fraction of a cold Inductor build (tests/test_compile.py)."""
+    options = _OPTIONS if backend == "inductor" else None
+    return torch.compile(fn, backend=backend, dynamic=None, options=options)
+
+
 def _contiguous(t):
     # A memory sliced out of a longer concatenation has other strides than one built whole;
     # compiled graphs guard on strides, so hand them one layout (a copy only of the tensors
@@ -52,7 +61,7 @@ def _contiguous(t):
     return t.contiguous() if isinstance(t, torch.Tensor) else t
 
 
-def compile_core(model: nn.Module) -> None:
+def compile_core(model: nn.Module, backend: str = "inductor") -> None:
     """Compile the training forward of `model.core` (see the module docstring).
 
     Only calls with gradients enabled go through the compiled code: evaluation and
@@ -60,15 +69,15 @@ def compile_core(model: nn.Module) -> None:
     compiling a graph per shape, and a segment recomputed by activation checkpointing
     (grad enabled, same shapes) reuses the training graph. The forward (under
     checkpoint_layers: `run_layer`) is replaced on the instance, so parameter names,
-    state_dict keys and module hooks are unchanged.
+    state_dict keys and module hooks are unchanged. `backend`: see `_compile`.
     """
     core = model.core
     _allow_graphs(core.cfg)
     if core.cfg.checkpoint_layers:
-        _compile_layer_calls(core)
+        _compile_layer_calls(core, backend)
         return
     eager = core.forward
-    compiled = torch.compile(eager, dynamic=None, options=_OPTIONS)
+    compiled = _compile(eager, backend)
 
     def forward(h0, state, lengths):
         if not torch.is_grad_enabled():
@@ -91,7 +100,7 @@ def _allow_graphs(cfg) -> None:
         torch._dynamo.config.recompile_limit = needed
 
 
-def _compile_layer_calls(core: nn.Module) -> None:
+def _compile_layer_calls(core: nn.Module, backend: str) -> None:
     """Under checkpoint_layers: compile what each `run_layer` call runs (a layer module, or
     a method of the stack taking the layer), and keep the checkpoint around it eager."""
     checkpointed = core.run_layer
@@ -103,7 +112,7 @@ def _compile_layer_calls(core: nn.Module) -> None:
         # A bound method is a new object at every attribute access: key it by its function.
         key = fn.__func__ if inspect.ismethod(fn) else fn
         if key not in compiled:
-            compiled[key] = torch.compile(fn, dynamic=None, options=_OPTIONS)
+            compiled[key] = _compile(fn, backend)
         return checkpointed(compiled[key], *(_contiguous(a) for a in args))
 
     core.run_layer = run_layer

@@ -35,13 +35,15 @@ def graph_limit(limit: int):
         config.recompile_limit = saved
 
 
-def tiny(mechanism: str, mem_len: int, compiled: bool, device: str = "cpu", **extra):
-    """A tiny model from seed 0 with dropout, its Adam and a seeded data generator."""
+def tiny(mechanism: str, mem_len: int, compiled: bool, device: str = "cpu",
+         backend: str = "inductor", **extra):
+    """A tiny model from seed 0 with dropout, its Adam and a seeded data generator;
+    `backend`: model/compiled.py `_compile`."""
     torch.manual_seed(0)
     cfg = ModelConfig(**{**SHAPE, "mechanism": mechanism, "mem_len": mem_len, **extra})
     model = build_model(cfg).to(device)   # torch.manual_seed seeded the GPUs' generators too
     if compiled:
-        compile_core(model)
+        compile_core(model, backend)
     return model, torch.optim.Adam(model.parameters(), 1e-3), torch.Generator().manual_seed(3)
 
 

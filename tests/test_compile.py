@@ -11,6 +11,14 @@ at one shape: the tiny model of tests/train_helpers.py (2 layers, d_model 32, 2 
 batch 4, segments of 8 and a memory of 8, i.e. the two memory lengths 0 and 8), which the
 `memtrain train` runs below use too, so that their graphs are the ones the in-process runs
 already put in the Inductor cache. Each test says what breaking its mechanism does to it.
+
+Inductor builds what only Inductor decides: the dropout masks (`fallback_random`), for the
+mechanism each `memtrain train` run below compiles (XL; LaMemo per layer call), whose
+graphs that run then finds in the cache. The other mechanisms go through the same Dynamo
+trace and AOT autograd split on the `aot_eager` backend, which builds no C++: their graph
+counts, graph breaks, graph limit and eager losses are decided there, in seconds instead
+of a cold build's minute. Every mechanism's Inductor lowering is still built, once, by the
+bf16 test (tests/test_compile_bf16_zero3.py).
 (bf16 and ZeRO-3 compile graphs of their own: tests/test_compile_bf16_zero3.py, a second
 file so that the suite's two workers share the compile tests.)
 """
@@ -40,10 +48,10 @@ from train.memory_probe import measure
 pytestmark = pytest.mark.slow
 
 def _train(mechanism: str, compiled: bool, mem_len: int = MEM, steps: int = STEPS,
-           device: str = "cpu", **extra):
+           device: str = "cpu", backend: str = "inductor", **extra):
     """Training steps of a tiny model: (losses, graphs compiled by the end of each step,
     counted from the first, model)."""
-    model, opt, data = tiny(mechanism, mem_len, compiled, device, **extra)
+    model, opt, data = tiny(mechanism, mem_len, compiled, device, backend, **extra)
     state, losses, graphs, before = None, [], [], compiled_graphs()
     for _ in range(steps):
         x, y = batch(data, device)
@@ -57,29 +65,32 @@ def _train(mechanism: str, compiled: bool, mem_len: int = MEM, steps: int = STEP
     return losses, graphs, model
 
 
-def _eager_and_compiled(**extra) -> dict:
-    """Each mechanism trained eager and compiled, the compiled run under a graph limit of 1
-    (its two memory lengths need at least two graphs of one function): {mechanism: (eager
-    losses, compiled losses, graphs per step, compiled model, graph breaks)}."""
+def _eager_and_compiled(inductor: str, **extra) -> dict:
+    """Each mechanism trained eager and compiled (by Inductor for `inductor`, on aot_eager
+    for the others: module docstring), the compiled run under a graph limit of 1 (its two
+    memory lengths need at least two graphs of one function): {mechanism: (eager losses,
+    compiled losses, graphs per step, compiled model, graph breaks)}."""
     torch._dynamo.reset()   # count these runs' graphs only, not earlier tests' for the same code
     out = {}
     for mechanism in ("xl", "lamemo", "rmt", "armt"):
         eager, _, _ = _train(mechanism, False, **extra)
         breaks = graph_breaks()
+        backend = "inductor" if mechanism == inductor else "aot_eager"
         with graph_limit(1):
-            losses, graphs, model = _train(mechanism, True, **extra)
+            losses, graphs, model = _train(mechanism, True, backend=backend, **extra)
         out[mechanism] = (eager, losses, graphs, model, graph_breaks() - breaks)
     return out
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return _eager_and_compiled()
+    return _eager_and_compiled(inductor="xl")
 
 
 @pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt", "armt"])
 def test_compiled_training_has_the_eager_losses_dropout_included(runs, mechanism):
-    # Inductor's own RNG (fallback_random off) draws other masks: every step differs by ~1e-2.
+    # Inductor's own RNG (fallback_random off) draws other masks: every step differs by ~1e-2
+    # (XL here, built by Inductor; the others' traced graphs must keep eager's draw order).
     eager, compiled, *_ = runs[mechanism]
     assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
     # Not trivially equal: the losses move (training happens, dropout differs per step).
@@ -131,8 +142,10 @@ def test_the_raised_graph_limit_covers_a_long_lamemo_memory_with_checkpointed_la
 
 
 def _rmt_windows(compiled: bool) -> list[float]:
-    """3 steps of RMT BPTT windows of 2 segments, each segment checkpointed."""
-    model, opt, data = tiny("rmt", MEM, compiled)
+    """3 steps of RMT BPTT windows of 2 segments, each segment checkpointed (traced on
+    aot_eager, as the `runs` fixture's RMT: the recompute under Inductor's RNG is LaMemo's
+    per-layer checkpoint below)."""
+    model, opt, data = tiny("rmt", MEM, compiled, backend="aot_eager")
     state, losses = None, []
     for _ in range(3):
         loss = 0.0
@@ -179,7 +192,7 @@ LAYERS = {"checkpoint_layers": True, "n_layer": 3}
 @pytest.fixture(scope="module")
 def layer_runs():
     """The same with checkpoint_layers: compiled per layer call."""
-    return _eager_and_compiled(**LAYERS)
+    return _eager_and_compiled(inductor="lamemo", **LAYERS)
 
 
 @pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt", "armt"])
