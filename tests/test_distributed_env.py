@@ -1,5 +1,10 @@
 """Who am I: rank, world and master from torchrun/deepspeed, from SLURM (srun), or alone."""
 
+import subprocess
+import sys
+
+from train_helpers import ROOT
+
 from train.distributed import first_slurm_host, resolve_env
 
 
@@ -36,3 +41,20 @@ def test_a_plain_process_is_a_world_of_one_on_a_free_port():
     assert (who.rank, who.world_size, who.launcher) == (0, 1, "single")
     assert who.master_addr == "127.0.0.1" and who.master_port > 0
     assert env["WORLD_SIZE"] == "1"
+
+
+def test_deepspeed_imported_by_a_rank_leaves_mlflow_unimported_and_still_importable():
+    # DeepSpeed's autotuner imports MLflow with `import deepspeed` (2.2 s of CPU on every
+    # rank, for logging memtrain never uses); a rank that tracks nothing must not pay it, and
+    # the rank that tracks imports MLflow afterwards as usual. A fresh process: this one
+    # has imported both.
+    code = ("import sys\n"
+            "from train.distributed import import_deepspeed\n"
+            "import_deepspeed()\n"
+            "import deepspeed.autotuning.autotuner as tuner\n"
+            "print('mlflow' in sys.modules, tuner.has_mlflow)\n"
+            "import mlflow\n"
+            "print(mlflow.MlflowClient.__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout.splitlines()
+    assert out[-2:] == ["False False", "MlflowClient"]   # after DeepSpeed's own log lines

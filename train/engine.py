@@ -20,6 +20,7 @@ from data_pipeline.streams import rows_of_rank
 from model.compiled import compile_core
 
 from .config import RunConfig, resolve_path
+from .distributed import import_deepspeed
 from .precision import precision_sections
 
 
@@ -174,7 +175,8 @@ def _register_parameter_lists(model: torch.nn.Module) -> None:
     ParameterList is a child module that is never called: its parameters are used by the
     parent (the adaptive softmax's cluster weights and projections), so without this the
     backward meets them still partitioned (numel 0)."""
-    from deepspeed.runtime.zero import register_external_parameter  # deepspeed: ~2.5 s import
+    import_deepspeed()
+    from deepspeed.runtime.zero import register_external_parameter
 
     for module in model.modules():
         for child in module.children():
@@ -185,7 +187,7 @@ def _register_parameter_lists(model: torch.nn.Module) -> None:
 
 def initialize(model: torch.nn.Module, cfg: RunConfig, ds_config: dict):
     """deepspeed.initialize with our optimizer and schedule; returns (engine, schedule)."""
-    import deepspeed  # ~2.5 s to import: only when an engine is built (not --print-config)
+    deepspeed = import_deepspeed()  # seconds: only when an engine is built (not --print-config)
 
     if cfg.model.compile:
         compile_core(model)  # before DeepSpeed wraps it; names and state_dict unchanged

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from model import ConfigError, ModelConfig, backbone_of, build_model, save_model
 
 from .checkpoint import CheckpointInfo
+from .distributed import import_deepspeed
 
 
 def _load(path: Path) -> dict:
@@ -69,6 +70,7 @@ def fp32_state_dict(info: CheckpointInfo) -> dict[str, torch.Tensor]:
     files = _optimizer_files(info)
     if files and "zero_stage" not in _load(files[0])["optimizer_state_dict"]:
         return _bf16_optimizer_state_dict(info, files)
+    import_deepspeed()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     # It prints its progress; stdout belongs to our commands' results (tables, JSON, text).
     with contextlib.redirect_stdout(sys.stderr):

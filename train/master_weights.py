@@ -26,6 +26,8 @@ import torch
 
 from model import ModelConfig, backbone_of, build_model
 
+from .distributed import import_deepspeed
+
 MASTER = "fp32 (master copy)"
 
 
@@ -82,6 +84,7 @@ def master_state(engine) -> dict[str, torch.Tensor] | None:
     (a pretrained base with `model.hf.finetune` frozen or lora) are not in the optimizer, so
     they have no master: they are the pretrained weights, which `build_model` loads in fp32.
     Collective: every rank calls it."""
+    import_deepspeed()
     from deepspeed.utils import safe_get_full_fp32_param
 
     fallback: dict[int, torch.Tensor] | None = None

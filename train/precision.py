@@ -30,6 +30,7 @@ import sys
 import torch
 
 from .config import ConfigError, DeepSpeedSection
+from .distributed import import_deepspeed
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 AMPERE = (8, 0)   # bf16 tensor cores and TF32 (NVIDIA A100 whitepaper, "TF32")
@@ -41,6 +42,7 @@ def training_dtype(precision: str) -> torch.dtype:
 
 def _accelerator_supports(precision: str) -> bool | None:
     """DeepSpeed's own answer for a device that is not CUDA (its engine refuses the same)."""
+    import_deepspeed()
     from deepspeed.accelerator import get_accelerator
     accel = get_accelerator()
     return accel.is_bf16_supported() if precision == "bf16" else accel.is_fp16_supported()

@@ -30,6 +30,7 @@ from model import ModelConfig, backbone_of, build_model
 from model.pretrained.loading import load_base
 from model.segment_lm import SegmentLM
 
+from .distributed import import_deepspeed
 from .engine import zero_stage
 
 
@@ -77,8 +78,7 @@ def memory_scale(base, dtype: torch.dtype) -> float:
     weight = base.get_input_embeddings().weight
     gathered = contextlib.nullcontext()
     if hasattr(weight, "ds_id"):
-        import deepspeed
-        gathered = deepspeed.zero.GatheredParameters([weight], modifier_rank=None)
+        gathered = import_deepspeed().zero.GatheredParameters([weight], modifier_rank=None)
     with gathered:
         return float(weight.detach().to(dtype).float().std())
 
