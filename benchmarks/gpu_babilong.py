@@ -182,7 +182,7 @@ def run_babilong(o, deadline: float) -> dict:
     o.bab_facts = 2 if o.quick else None   # None: qa1's own range of facts
     t0 = time.perf_counter()
     hf, tok, base = load(o, device)
-    sampler = Sampler(tok, background_sentences(300 if o.quick else 20000), o.bab_seg_len)
+    sampler = Sampler(tok, background_sentences(300 if o.quick else 5000), o.bab_seg_len)
     results = {"load_s": time.perf_counter() - t0, "seg_len": o.bab_seg_len,
                "stages": list(o.bab_stages), "lengths": list(o.bab_lengths),
                "batch": o.bab_batch, "test_per_length": o.bab_test, "lr": o.bab_lr,

@@ -49,7 +49,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -233,75 +232,14 @@ def mfu_goals(rows) -> dict:
     return out
 
 
-def gap_commands(o, out: Path) -> dict:
-    """The child benchmarks of the gaps part: name -> argv (the existing harnesses)."""
-    py, dev = sys.executable, [f"--device={o.device}", f"--dtype={o.dtype}"]
-    if o.quick:
-        return {
-            "lamemo_vs_xl": [py, str(HERE / "bench_lamemo_cost.py"), "--shape=small",
-                             "--batch=1", "--rounds=1", "--warmup=0", "--threads=1", *dev],
-            "compile": [py, str(HERE / "bench_compile.py"), "--parts=model", "--quick",
-                        "--mechanisms=xl", "--steps=1", "--threads=1", *dev],
-            "recompute": [py, str(HERE / "bench_recompute.py"), "--rounds=1", "--n-layer=1",
-                          "--d-model=32", "--d-inner=64", "--seg-len=8", "--batch=1",
-                          "--num-mem-tokens=2", "--policies=full", "--keep-last=1",
-                          "--recompute-time-depths=1", "--recompute-memory-depths=1",
-                          "--threads=1", *dev],
-        }
-    gpt2 = ["--n-layer=12", "--d-model=768", "--n-head=12", "--d-inner=3072"]
-    return {
-        "lamemo_vs_xl": [py, str(HERE / "bench_lamemo_cost.py"), "--shape=wt103",
-                         "--batch=8", "--rounds=5", *dev],
-        "recompute": [py, str(HERE / "bench_recompute.py"), *gpt2, "--seg-len=512",
-                      "--batch=8", "--num-mem-tokens=16", "--rounds=3",
-                      "--policies=full,save-ffn-out:2,save-ffn-out,save-linear",
-                      "--keep-last=1", "--recompute-time-depths=8",
-                      "--recompute-memory-depths=1,8", *dev],
-        "compile": [py, str(HERE / "bench_compile.py"), "--parts=model", *gpt2,
-                    "--seg-len=512", "--mem-len=512", "--batch=8", "--rounds=3",
-                    "--mechanisms=xl,lamemo,rmt", *dev],
-    }
-
-
-def run_gap(name: str, cmd: list[str], out: Path, env: dict, deadline: float) -> dict:
-    """One child benchmark under the time left, its JSON read back into the result."""
-    left = deadline - time.time()
-    if left < 5:
-        return {"skipped": "time budget spent", "command": cmd}
-    path = out / f"gaps_{name}.json"
-    started = time.time()
-    try:
-        p = subprocess.run([*cmd, f"--json={path}"], capture_output=True, text=True,
-                           timeout=left, env=env, cwd=HERE.parent)
-        r = {"returncode": p.returncode, "tail": (p.stdout + p.stderr)[-3000:]}
-    except subprocess.TimeoutExpired as e:
-        r = {"timeout_s": left, "tail": str(e.stdout or "")[-3000:]}
-    r.update(command=cmd, wall_s=time.time() - started,
-             json=path.name if path.exists() else None)
-    if path.exists():
-        r["results"] = json.loads(path.read_text())
-    print(f"  gaps {name}: {'ok' if r.get('returncode') == 0 else 'FAILED'} in "
-          f"{r['wall_s']:.0f} s", flush=True)
-    return r
-
-
 def part_gaps(o, facts, deadline, out: Path) -> dict:
-    from concurrent.futures import ThreadPoolExecutor
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
-    if o.quick:   # Inductor's C++ build would take minutes here: dynamo off, eager
-        env["TORCHDYNAMO_DISABLE"] = "1"
-    cmds = gap_commands(o, out)
-    # One at a time on a GPU (timings); side by side in the CPU rehearsal (nothing timed).
-    with ThreadPoolExecutor(max_workers=len(cmds) if o.quick else 1) as pool:
-        futures = {name: pool.submit(run_gap, name, cmd, out, env, deadline)
-                   for name, cmd in cmds.items()}
-        return {name: f.result() for name, f in futures.items()}
+    from benchmarks.gpu_gaps import run_gaps
+    return run_gaps(o, deadline, out)
 
 
 def part_kernels(o, facts, deadline) -> dict:
     from benchmarks.gpu_kernels import CASES, kernel_report
-    cases = ["hf base (no memory)", "hf rmt paper", "hf rmt causal", "hf armt",
-             "native xl"] if o.quick else list(CASES)
+    cases = ["hf rmt paper", "hf rmt causal"] if o.quick else list(CASES)
     dtype = torch.bfloat16 if o.dtype == "bf16" else torch.float32
     return kernel_report(o.device, dtype, cases)
 
@@ -309,6 +247,30 @@ def part_kernels(o, facts, deadline) -> dict:
 def part_babilong(o, facts, deadline) -> dict:
     from benchmarks.gpu_babilong import run_babilong
     return run_babilong(o, deadline)
+
+
+# Modules the parts import that a bare GPU image lacks (scripts/gpu_stage.sh stages them).
+STAGED_MODULES = ("deepspeed", "webdataset", "pydantic", "hjson")
+
+
+def check_ready(o) -> list[str]:
+    """What the run needs and lacks, one message each (empty: ready). Run before any part,
+    so that a missing wheel or GGUF fails in seconds, not after the first parts."""
+    import importlib.util
+    missing = [f"python module {m!r} (stage it: bash scripts/gpu_stage.sh, then carry "
+               "gpu-stage/wheels)" for m in STAGED_MODULES + (("gguf",) if "babilong" in
+                                                                o.parts and not o.quick else ())
+               if importlib.util.find_spec(m) is None]
+    if "babilong" in o.parts and not o.quick:
+        from benchmarks.smollm2_memory import gguf_location
+        try:
+            folder, name = gguf_location(o.gguf)
+            if not os.path.isfile(os.path.join(folder, name)):
+                raise SystemExit(f"{os.path.join(folder, name)} does not exist")
+        except SystemExit as e:
+            missing.append(f"the SmolLM2 GGUF: {e} (scripts/gpu_stage.sh splits it in two "
+                           "parts, each carried by one device call; --gguf PATH)")
+    return missing
 
 
 def run(o) -> dict:
@@ -334,7 +296,7 @@ def run(o) -> dict:
             else:
                 result = globals()[f"part_{part}"](o, facts, deadline)
             status = "done"
-        except Exception as e:   # the next part still runs; the error is in the JSON
+        except Exception:   # the next part still runs; the error is in the JSON
             import traceback
             result, status = {"error": traceback.format_exc()[-4000:]}, "error"
             print(result["error"], flush=True)
@@ -388,6 +350,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     o = parse_args(argv)
+    missing = check_ready(o)
+    if missing:
+        print("gpu_scale: not ready, missing:\n  " + "\n  ".join(missing), file=sys.stderr)
+        return 2
     torch.set_num_threads(o.threads)
     summary = run(o)
     print(json.dumps({k: v for k, v in summary.items() if k != "facts"}, indent=1))
