@@ -21,23 +21,22 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 
+# --quick: flags appended to each GPU command line (argparse keeps the last value), so that
+# the CPU rehearsal parses the GPU's flags too and only the sizes change.
+QUICK = {
+    "lamemo_vs_xl": ["--shape=small", "--batch=1", "--rounds=1", "--warmup=0"],
+    "recompute": ["--rounds=1", "--n-layer=1", "--d-model=32", "--n-head=2", "--d-inner=64",
+                  "--seg-len=8", "--batch=1", "--num-mem-tokens=2", "--policies=full",
+                  "--recompute-time-depths=1", "--recompute-memory-depths="],
+    "compile": ["--quick", "--n-head=2", "--mechanisms=xl", "--steps=1"],
+}
+
+
 def gap_commands(o, out: Path) -> dict:
     """The child benchmarks of the gaps part: name -> argv (the existing harnesses)."""
     py, dev = sys.executable, [f"--device={o.device}", f"--dtype={o.dtype}"]
-    if o.quick:
-        return {
-            "lamemo_vs_xl": [py, str(HERE / "bench_lamemo_cost.py"), "--shape=small",
-                             "--batch=1", "--rounds=1", "--warmup=0", "--threads=1", *dev],
-            "compile": [py, str(HERE / "bench_compile.py"), "--parts=model", "--quick",
-                        "--mechanisms=xl", "--steps=1", "--threads=1", *dev],
-            "recompute": [py, str(HERE / "bench_recompute.py"), "--rounds=1", "--n-layer=1",
-                          "--d-model=32", "--d-inner=64", "--seg-len=8", "--batch=1",
-                          "--num-mem-tokens=2", "--policies=full", "--keep-last=1",
-                          "--recompute-time-depths=1", "--recompute-memory-depths=",
-                          "--threads=1", *dev],
-        }
     gpt2 = ["--n-layer=12", "--d-model=768", "--n-head=12", "--d-inner=3072"]
-    return {
+    cmds = {
         "lamemo_vs_xl": [py, str(HERE / "bench_lamemo_cost.py"), "--shape=wt103",
                          "--batch=8", "--rounds=5", *dev],
         "recompute": [py, str(HERE / "bench_recompute.py"), *gpt2, "--seg-len=512",
@@ -47,8 +46,12 @@ def gap_commands(o, out: Path) -> dict:
                       "--recompute-memory-depths=1,8", *dev],
         "compile": [py, str(HERE / "bench_compile.py"), "--parts=model", *gpt2,
                     "--seg-len=512", "--mem-len=512", "--batch=8", "--rounds=3",
-                    "--mechanisms=xl,lamemo,rmt", *dev],
+                    "--mechanisms=rmt,xl", *dev],
     }
+    if o.quick:
+        cmds = {name: [*cmd, *QUICK[name], f"--threads={o.threads}"]
+                for name, cmd in cmds.items()}
+    return cmds
 
 
 def run_gap(name: str, cmd: list[str], out: Path, env: dict, deadline: float) -> dict:
@@ -75,7 +78,9 @@ def run_gap(name: str, cmd: list[str], out: Path, env: dict, deadline: float) ->
 
 def run_gaps(o, deadline: float, out: Path) -> dict:
     from concurrent.futures import ThreadPoolExecutor
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent)}
+    # The checkout first, then what the caller had (the staged wheels: scripts/gpu_session.sh).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        x for x in (str(HERE.parent), os.environ.get("PYTHONPATH")) if x)}
     if o.quick:   # Inductor's C++ build would take minutes here: dynamo off, eager
         env["TORCHDYNAMO_DISABLE"] = "1"
     cmds = gap_commands(o, out)

@@ -287,7 +287,9 @@ def run(o) -> dict:
         if left < (1 if o.quick else PART_MIN_S[part]):
             summary["parts"][part] = {"skipped": f"{left:.0f} s of the budget left"}
             continue
-        deadline = time.time() + left * PART_SHARE[part]
+        # The last part asked for may use all that is left.
+        share = 1.0 if part == o.parts[-1] else PART_SHARE[part]
+        deadline = time.time() + left * share
         started = time.time()
         print(f"== {part} ({left:.0f} s of the budget left)", flush=True)
         try:
