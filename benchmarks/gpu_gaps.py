@@ -3,7 +3,9 @@
 Each gap is an existing benchmark run as a child process with --json (no second copy of
 its harness): LaMemo / XL (bench_lamemo_cost.py at the WikiText-103 shape), model.compile
 (bench_compile.py at GPT-2-124M's width, segments of 512), selective recompute
-(bench_recompute.py at the same shape, keep_last_segments 1). Each child gets the time left
+(bench_recompute.py at the same shape, keep_last_segments 1, step times only: its peaks
+take a fresh process per variant and depth, a minute of start-ups on a GPU; the mfu part
+measures the checkpointed peaks). Each child gets the time left
 of the part's share; its JSON is read back into the part's. In --quick every child runs at
 tiny sizes on the CPU, side by side, with TorchDynamo disabled (Inductor's C++ build would
 take minutes there): what it checks is that every command line and file is right.
@@ -43,7 +45,7 @@ def gap_commands(o, out: Path) -> dict:
                       "--batch=8", "--num-mem-tokens=16", "--rounds=3",
                       "--policies=full,save-ffn-out:2,save-ffn-out,save-linear",
                       "--keep-last=1", "--recompute-time-depths=8",
-                      "--recompute-memory-depths=1,8", *dev],
+                      "--recompute-memory-depths=", *dev],
         "compile": [py, str(HERE / "bench_compile.py"), "--parts=model", *gpt2,
                     "--seg-len=512", "--mem-len=512", "--batch=8", "--rounds=3",
                     "--mechanisms=rmt,xl", *dev],

@@ -53,8 +53,11 @@ if [ "${SCALE:-0}" = 1 ]; then
   fi
   args=()
   [ -f "$GGUF" ] && args=(--gguf "$GGUF")
-  exec "$PY" benchmarks/gpu_scale.py --out "$OUT" --parts "${PARTS:-mfu,kernels,gaps,babilong}" \
-    --budget-s "${BUDGET:-540}" "${args[@]}" ${SCALE_ARGS:-}
+  # A part in flight is not stopped by the budget: the whole run is, 60 s past it (the JSON
+  # of the parts done stays).
+  exec timeout $((${BUDGET:-540} + 60)) "$PY" benchmarks/gpu_scale.py --out "$OUT" \
+    --parts "${PARTS:-mfu,kernels,gaps,babilong}" --budget-s "${BUDGET:-540}" "${args[@]}" \
+    ${SCALE_ARGS:-}
 fi
 
 {
