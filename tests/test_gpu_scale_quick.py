@@ -88,6 +88,7 @@ def test_quick_mode_runs_every_part_on_the_cpu_and_writes_its_json(tmp_path):
         assert {"gpu", "torch", "device", "date"} <= set(part["facts"])
     rows = parts["mfu"]["rows"]
     assert {r["variant"] for r in rows} == set(gpu_scale.VARIANTS)
+    assert {r["shape"] for r in rows} == set(gpu_scale.SHAPES)   # each shape's flags parsed
     for r in rows:
         assert {"tokens_per_s", "batch", "n", "peak_mb", "flops_per_text_token",
                 "model_flops_per_s", "memory_flops_per_s"} <= set(r), r
