@@ -42,8 +42,12 @@ from model.backbones import build_model
 from model.pretrained.loading import load_base, load_tokenizer
 from train.bptt import run_window
 
-LENGTHS = (0, 1024, 2048, 4096, 8192, 16384)
-STAGES = (1, 2, 4, 8)
+# The sizes on the GPU and in --quick (tiny random Llama, character tokenizer, CPU).
+GPU = {"seg_len": 512, "stages": (1, 2, 4, 8), "lengths": (0, 1024, 2048, 4096, 8192, 16384),
+       "batch": 8, "test": 100, "eval_batch": 25, "lr": 1e-4, "finetune": "full",
+       "facts": None, "sentences": 5000}   # facts None: qa1's own range (2-10)
+QUICK = {**GPU, "seg_len": 16, "stages": (1, 2), "lengths": (0, 32, 64), "batch": 2,
+         "test": 4, "eval_batch": 4, "facts": 2, "sentences": 300}
 
 
 class Sampler:
@@ -174,15 +178,14 @@ def score(model, sampler, o, device) -> dict:
 def run_babilong(o, deadline: float) -> dict:
     import copy
     device = torch.device(o.device)
-    o.bab_seg_len = 16 if o.quick else 512
-    o.bab_stages = (1, 2) if o.quick else STAGES
-    o.bab_lengths = (0, 32, 64) if o.quick else LENGTHS
-    o.bab_batch, o.bab_test, o.bab_eval_batch = (2, 4, 4) if o.quick else (8, 100, 25)
-    o.bab_lr, o.bab_finetune, o.seed = 1e-4, "full", 0
-    o.bab_facts = 2 if o.quick else None   # None: qa1's own range of facts
+    size = QUICK if o.quick else GPU
+    o.bab_seg_len, o.bab_stages, o.bab_lengths = size["seg_len"], size["stages"], size["lengths"]
+    o.bab_batch, o.bab_test, o.bab_eval_batch = size["batch"], size["test"], size["eval_batch"]
+    o.bab_lr, o.bab_finetune, o.bab_facts = size["lr"], size["finetune"], size["facts"]
+    o.seed = 0
     t0 = time.perf_counter()
     hf, tok, base = load(o, device)
-    sampler = Sampler(tok, background_sentences(300 if o.quick else 5000), o.bab_seg_len)
+    sampler = Sampler(tok, background_sentences(size["sentences"]), o.bab_seg_len)
     results = {"load_s": time.perf_counter() - t0, "seg_len": o.bab_seg_len,
                "stages": list(o.bab_stages), "lengths": list(o.bab_lengths),
                "batch": o.bab_batch, "test_per_length": o.bab_test, "lr": o.bab_lr,

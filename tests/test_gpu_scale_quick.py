@@ -56,6 +56,24 @@ def test_mfu_counts_the_matmul_parameters_and_the_memory_rows_apart():
     assert gpu_scale.peak_flops(None) is None
 
 
+def test_the_goals_are_read_off_the_rows_present():
+    def row(variant, n, tokens_per_s, peak_mb, **extra):
+        return {"shape": "gpt2-124m", "seg_len": 1024, "variant": variant, "n": n,
+                "batch": 8, "tokens_per_s": tokens_per_s, "peak_mb": peak_mb, "base_mb": 100,
+                **extra}
+    goals = gpu_scale.mfu_goals([
+        row("base", 1, 1000, 900, mfu=0.42), row("rmt-ckpt-last1", 1, 900, 1000),
+        row("rmt-ckpt-last1", 32, 800, 1300), row("armt-ckpt-last1", 32, 650, 1200),
+        {"shape": "gpt2-124m", "seg_len": 1024, "variant": "rmt-unroll", "n": 32,
+         "error": "out of memory at batch 1"}])
+    assert goals["base MFU >= 40% (gpt2-124m, L 1024)"] == [0.42, True]
+    assert goals["gpt2-124m rmt-ckpt-last1 n=32 tokens/s >= 0.75x base"] == [0.8, True]
+    peak = goals["gpt2-124m rmt-ckpt-last1 n=32 peak <= 1.2x its n=1 peak"]
+    assert peak[:2] == [1400 / 1100, False]
+    assert goals["gpt2-124m armt-ckpt-last1 n=32 tokens/s >= 0.7x base"] == [0.65, False]
+    assert not any(k.startswith("smollm2") for k in goals)   # not measured: no verdict
+
+
 def test_a_spent_budget_starts_no_part(tmp_path):
     o = gpu_scale.parse_args(["--out", str(tmp_path), "--budget-s", "0", "--device", "cpu",
                               "--parts", "mfu,kernels"])
