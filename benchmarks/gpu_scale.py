@@ -13,9 +13,9 @@ Parts, the most valuable first (a run cut off early still returns the first ones
             RMT segment-checkpointed with keep_last_segments 1; ARMT checkpointed the same
             way; at 1, 8 and 32 segments. Batch: --batch-tokens / L (32 rows of 1,024),
             halved on out-of-memory until it fits (unrolled: divided by n first, its
-            activations grow with n); no larger batch is tried. Per row: tokens/s (text tokens; Adam included), MFU,
-            peak = torch.cuda.max_memory_allocated over one step (model, Adam state and
-            activations).
+            activations grow with n); no larger batch is tried. Per row: tokens/s (text
+            tokens; Adam included), MFU, peak = torch.cuda.max_memory_allocated over one
+            step (model, Adam state and activations).
   kernels   benchmarks/gpu_kernels.py: what each mechanism and pattern passes to SDPA and, on
             CUDA, which kernel torch can take and the profiler saw.
   gaps      the known gaps at scale, each an existing benchmark run as a child with --json:
