@@ -14,8 +14,8 @@ PG19 offline: the background is the standard library's docstrings
 (benchmarks/babilong_background.py), split into sentences (data_pipeline/babilong/
 background.py), each tokenized once by the model's tokenizer. A sample of length X has X
 tokens of background and story together (0k: the story alone); it is padded at the front
-with the end-of-text token to whole segments of L = --seg-len (BABILong's lengths count
-tokens of the whole sample; here the story's own tokens are inside X).
+with newlines to whole segments of L (512), or to the batch's longest sample where that fits
+one segment (BABILong's lengths count the whole sample's tokens; so does X here).
 
 Training (the RMT curriculum, Bulatov et al. 2023): 1, 2, 4, then 8 segments of L, a
 quarter of the memory arm's training seconds each, full BPTT through every sample's
@@ -55,7 +55,10 @@ class Sampler:
 
     def __init__(self, tok, sentences: list[str], seg_len: int):
         self.tok, self.seg_len = tok, seg_len
-        self.eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+        # Padding: a newline (a run of end-of-text tokens reads as a chat's end to an
+        # instruct model: answer loss 10 nats at 0k against 3.5 at 1k, seen on the CPU).
+        newline = self.ids("\n")
+        self.pad = newline[0] if len(newline) == 1 else (tok.eos_token_id or 0)
         self.sentences = sentences
         self._ids: dict[int, list[int]] = {}
 
@@ -91,11 +94,13 @@ class Sampler:
 
     def batch(self, stories, length: int, rng) -> tuple[torch.Tensor, torch.Tensor, int]:
         """tokens [B, S*L + 1], loss_mask [B, S*L] on the answer targets, S segments: each
-        row padded at the front with eos to the whole segments its longest row needs."""
+        row padded at the front to the whole segments its longest row needs; rows that fit
+        one segment make one segment of the longest row's length (0k: no background)."""
         rows = [self.row(s, length, rng) for s in stories]
-        n_seg = max(1, math.ceil((max(len(r) for r, _ in rows) - 1) / self.seg_len))
-        total = n_seg * self.seg_len + 1
-        tokens = torch.full((len(rows), total), self.eos, dtype=torch.long)
+        longest = max(len(r) for r, _ in rows)
+        n_seg = max(1, math.ceil((longest - 1) / self.seg_len))
+        total = n_seg * self.seg_len + 1 if n_seg > 1 else longest
+        tokens = torch.full((len(rows), total), self.pad, dtype=torch.long)
         mask = torch.zeros(len(rows), total - 1, dtype=torch.bool)
         for b, (r, n_ans) in enumerate(rows):
             r = r[-total:]
@@ -211,6 +216,6 @@ def run_babilong(o, deadline: float) -> dict:
     gap = {k: mem[k]["accuracy"] - plain[k]["accuracy"] for k in mem}
     results["memory_minus_no_memory"] = gap
     wanted = [k for k in ("2048", "4096", "8192") if k in gap]
-    results["goal >= 0.3 above no memory at 2k-8k"] = (
-        bool(wanted) and all(gap[k] >= 0.3 for k in wanted))
+    results["goal >= 0.3 above no memory at 2k-8k"] = (   # None: not scored there
+        all(gap[k] >= 0.3 for k in wanted) if wanted else None)
     return results

@@ -74,6 +74,35 @@ def test_the_goals_are_read_off_the_rows_present():
     assert not any(k.startswith("smollm2") for k in goals)   # not measured: no verdict
 
 
+def test_babilong_samples_hold_the_story_in_order_and_mask_only_the_answer(tmp_path):
+    import numpy as np
+
+    from benchmarks.gpu_babilong import Sampler
+    from data_pipeline.babilong.babi import generate_story
+    from model.pretrained.loading import load_tokenizer
+    from model.pretrained.tiny import save_char_tokenizer
+    from model.config import PretrainedOptions
+    save_char_tokenizer(tmp_path)
+    tok = load_tokenizer(PretrainedOptions(path=str(tmp_path)))
+    rng = np.random.default_rng(0)
+    stories = [generate_story("qa1", rng, 2) for _ in range(3)]
+    sentences = ["The river ran on.", "Light fell through the window.", "Nobody came."]
+    one = Sampler(tok, sentences, seg_len=512)    # 0k fits one segment: no padding to 512
+    tokens, mask, n_seg = one.batch(stories, 0, rng)
+    longest = max(len(one.row(s, 0, rng)[0]) for s in stories)
+    assert n_seg == 1 and tokens.shape[1] == longest and mask.shape[1] == longest - 1
+    many = Sampler(tok, sentences, seg_len=32)
+    tokens, mask, n_seg = many.batch(stories, 256, rng)
+    assert n_seg == 8 and tokens.shape == (3, 257) and mask.shape == (3, 256)
+    for b, story in enumerate(stories):
+        text = tok.decode(tokens[b].tolist()).replace(" ", "")
+        places = [text.find(f.lower().replace(" ", "")) for f in story.facts]
+        assert -1 not in places and places == sorted(places), (text, story.facts)
+        answer = tok.decode(tokens[b, 1:][mask[b]].tolist()).replace(" ", "")
+        assert answer == story.answer.lower() and text.endswith("answer:" + answer)
+    assert tok.decode([many.pad]).strip() == ""    # a newline, not an end-of-text token
+
+
 def test_a_spent_budget_starts_no_part(tmp_path):
     o = gpu_scale.parse_args(["--out", str(tmp_path), "--budget-s", "0", "--device", "cpu",
                               "--parts", "mfu,kernels"])
