@@ -79,9 +79,9 @@ def test_babilong_samples_hold_the_story_in_order_and_mask_only_the_answer(tmp_p
 
     from benchmarks.gpu_babilong import Sampler
     from data_pipeline.babilong.babi import generate_story
+    from model.config import PretrainedOptions
     from model.pretrained.loading import load_tokenizer
     from model.pretrained.tiny import save_char_tokenizer
-    from model.config import PretrainedOptions
     save_char_tokenizer(tmp_path)
     tok = load_tokenizer(PretrainedOptions(path=str(tmp_path)))
     rng = np.random.default_rng(0)
