@@ -56,8 +56,8 @@ if [ "${SCALE:-0}" = 1 ]; then
   # A part in flight is not stopped by the budget: the whole run is, 60 s past it (the JSON
   # of the parts done stays).
   exec timeout $((${BUDGET:-540} + 60)) "$PY" benchmarks/gpu_scale.py --out "$OUT" \
-    --parts "${PARTS:-mfu,kernels,gaps,babilong}" --budget-s "${BUDGET:-540}" "${args[@]}" \
-    ${SCALE_ARGS:-}
+    --parts "${PARTS:-mfu,kernels,gaps,babilong}" --budget-s "${BUDGET:-540}" \
+    ${args[@]+"${args[@]}"} ${SCALE_ARGS:-}
 fi
 
 {
