@@ -93,7 +93,7 @@ def save_backbone(a, path: str) -> str:
             vocab_size=a.vocab, hidden_size=a.d_model, intermediate_size=a.d_inner,
             num_hidden_layers=a.n_layer, num_attention_heads=a.n_head,
             num_key_value_heads=a.n_kv_head, max_position_embeddings=4 * a.seg_len,
-            bos_token_id=0, eos_token_id=0, tie_word_embeddings=False))
+            bos_token_id=0, eos_token_id=0, tie_word_embeddings=a.tie_embeddings))
     else:
         from transformers import GPT2Config, GPT2LMHeadModel
         model = GPT2LMHeadModel(GPT2Config(
@@ -105,9 +105,11 @@ def save_backbone(a, path: str) -> str:
 
 
 def model_config(a, path: str, num_mem_tokens: int) -> ModelConfig:
+    # ARMT (--mechanism armt) only with memory: its 0-token model would be the base anyway.
+    mechanism = a.mechanism if num_mem_tokens else "rmt"
     return ModelConfig.from_dict({
-        "mechanism": "rmt", "backbone": "hf", "tgt_len": a.seg_len, "mem_len": 0,
-        "rmt": {"num_mem_tokens": num_mem_tokens},
+        "mechanism": mechanism, "backbone": "hf", "tgt_len": a.seg_len, "mem_len": 0,
+        "rmt": {"num_mem_tokens": num_mem_tokens, "pattern": a.pattern},
         "hf": {"path": path, "attn_implementation": a.attn}})
 
 
@@ -193,8 +195,8 @@ def memory_child(a) -> None:
 
 
 SHAPE_FLAGS = ("arch", "n_layer", "d_model", "n_head", "n_kv_head", "d_inner", "vocab",
-               "dropout", "attn", "seg_len", "num_mem_tokens", "batch", "threads", "device",
-               "dtype", "seed")
+               "dropout", "attn", "mechanism", "pattern", "seg_len", "num_mem_tokens", "batch",
+               "threads", "device", "dtype", "seed")
 
 
 def run_child(a, spec: dict) -> dict:
@@ -309,6 +311,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--dropout", type=float, default=0.1, help="gpt2 only (Llama has none)")
     p.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa")
+    p.add_argument("--tie-embeddings", action="store_true", help="llama: tied head (SmolLM2)")
+    p.add_argument("--mechanism", choices=["rmt", "armt"], default="rmt",
+                   help="the memory variants' mechanism (base: always the plain model)")
+    p.add_argument("--pattern", choices=["paper", "causal"], default="paper",
+                   help="model.rmt.pattern of RMT's memory variants")
     p.add_argument("--seg-len", type=int, default=128)
     p.add_argument("--num-mem-tokens", type=int, default=16)
     p.add_argument("--batch", type=int, default=8)

@@ -116,6 +116,8 @@ def measure_recompute(a) -> dict:
                               "user_ratio_vs_plain": statistics.median(
                                   t / b for t, b in zip(user[n], user["plain"], strict=True))}
                           for n, ts in times.items()}
+    if not a.recompute_memory_depths:   # --recompute-memory-depths "": the times alone
+        return out
     for n, (ck, pol, keep) in variants.items():
         out["memory"][n] = {k: run_child(a, {"kind": "rmt", "mode": "window", "k": k,
                                              "ckpt": ck, "recompute": pol, "keep_last": keep})
@@ -141,7 +143,8 @@ def main(argv=None) -> int:
                    help="bptt.recompute values")
     p.add_argument("--keep-last", default="0,1", help="bptt.keep_last_segments values")
     p.add_argument("--recompute-time-depths", default="4", help="k of the step times")
-    p.add_argument("--recompute-memory-depths", default="1,16", help="k of the peaks")
+    p.add_argument("--recompute-memory-depths", default="1,16",
+                   help='k of the peaks ("": no memory part)')
     p.add_argument("--parts", default="recompute", help="of profile, recompute")
     p.add_argument("--quick", action="store_true", help="tiny sizes, few variants (smoke)")
     a = p.parse_args(argv)
@@ -155,7 +158,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     a.policies = str(a.policies).split(",")
     a.keep_last, a.recompute_time_depths, a.recompute_memory_depths = (
-        [int(x) for x in str(v).split(",")] for v in
+        [int(x) for x in str(v).split(",") if x] for v in
         (a.keep_last, a.recompute_time_depths, a.recompute_memory_depths))
     t0 = time.time()
     print_shape(a)
@@ -167,6 +170,8 @@ def main(argv=None) -> int:
     if "recompute" in parts:
         print("selective recompute: step time / plain step time, peak MB:", flush=True)
         rc = results["recompute"] = measure_recompute(a)
+        if not rc["memory"]:
+            return finish(a.json, results, t0)
         kt, k1, kn = (max(a.recompute_time_depths), a.recompute_memory_depths[0],
                       a.recompute_memory_depths[-1])
         for n in list(rc["memory"])[1:]:   # the checkpointed ones

@@ -8,6 +8,8 @@
 #      same command: the final test losses of all five and the stopped runs' losses after
 #      the stop against the uninterrupted runs';
 #   4. optionally (BENCH=1) the "On a GPU" benchmarks of BENCHMARKS.md.
+# With SCALE=1 it runs instead only benchmarks/gpu_scale.py, the run at realistic shapes
+# (below, and docs/cluster.md, "One GPU run at realistic shapes").
 # Steps 2 and 3 run side by side (16 host cores are enough; their timings are not reported).
 #
 #   bash scripts/gpu_session.sh [OUT_DIR]        # PY=python to use (default .venv/bin/python)
@@ -24,6 +26,39 @@ EXTRA=${EXTRA:-}   # more overrides for every quickstart run (a shorter CPU rehe
 WORK=$(mktemp -d)
 export PYTHONUNBUFFERED=1 PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 cd "$REPO" || exit 1
+
+# SCALE=1: only the one run at realistic shapes, benchmarks/gpu_scale.py (docs/cluster.md,
+# "One GPU run at realistic shapes"): what scripts/gpu_stage.sh staged in STAGE (default
+# gpu-stage/) installed under /tmp/gpu-stage, the GGUF's parts kept there and joined once all
+# have come (a device call carries at most 64 MiB: the parts come in two calls), then the
+# run with PARTS (default all four) in BUDGET seconds (default 540) and SCALE_ARGS (more flags
+# of gpu_scale.py: "--quick --device cpu" rehearses this path on a CPU). OUT_DIR gets its JSON.
+if [ "${SCALE:-0}" = 1 ]; then
+  STAGE=${STAGE:-$REPO/gpu-stage}
+  KEEP=${KEEP:-/tmp/gpu-stage}
+  GGUF=$KEEP/SmolLM2-135M-Instruct.Q4_1.gguf
+  mkdir -p "$KEEP"
+  if ls "$STAGE"/wheels/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$KEEP/site" "$STAGE"/wheels/*.whl ||
+      echo "gpu_session: the staged wheels did not install (gpu_scale.py says what is missing)"
+  fi
+  [ -d "$KEEP/site" ] && export PYTHONPATH="$PYTHONPATH:$KEEP/site"
+  cp "$STAGE"/gguf/*.part-* "$STAGE"/SHA256SUMS "$KEEP"/ 2>/dev/null
+  if [ ! -f "$GGUF" ] && ls "$KEEP"/*.part-* >/dev/null 2>&1; then
+    cat "$KEEP"/SmolLM2-135M-Instruct.Q4_1.gguf.part-* >"$GGUF"
+    (cd "$KEEP" && grep " SmolLM2" SHA256SUMS | sha256sum -c --quiet -) 2>/dev/null || {
+      echo "GGUF: not all parts here yet ($(ls "$KEEP" | grep -c part-) present)"
+      rm -f "$GGUF"; }
+  fi
+  args=()
+  [ -f "$GGUF" ] && args=(--gguf "$GGUF")
+  # A part in flight is not stopped by the budget: the whole run is, 60 s past it (the JSON
+  # of the parts done stays).
+  exec timeout $((${BUDGET:-540} + 60)) "$PY" benchmarks/gpu_scale.py --out "$OUT" \
+    --parts "${PARTS:-mfu,kernels,gaps,babilong}" --budget-s "${BUDGET:-540}" \
+    ${args[@]+"${args[@]}"} ${SCALE_ARGS:-}
+fi
 
 {
   date -u
