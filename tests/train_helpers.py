@@ -3,6 +3,7 @@ launching `python -m train` as 1 process or 2 ranks (torchrun / deepspeed launch
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -20,6 +21,7 @@ from slurm_cluster import LAUNCHER_VARIABLES
 from data_pipeline.shard_writer import write_manifest, write_token_split
 from data_pipeline.shards import Manifest, id_dtype
 from data_pipeline.vocab import fingerprint
+from train.run_dir import STORE
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -69,6 +71,34 @@ def tiny_config(tmp: Path, name: str = "t", **sections) -> Path:
             cfg[key] = value
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
+    store = tmp / "runs" / STORE
+    if not store.exists():   # the runs' shared MLflow store, as the first run would make it
+        store.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(_empty_store(), store)
+    return path
+
+
+def _empty_store() -> Path:
+    """An empty MLflow sqlite store at the head of MLflow's schema, made once per MLflow
+    version and copied into each test's runs root. Making a store runs MLflow's schema
+    migrations, 3-7 s on the 2-core machine, which every launch into a fresh runs root paid;
+    making one is tested where it is the subject (tests/test_tracking.py). Shared by the
+    suite's workers under a lock."""
+    from importlib.metadata import version
+
+    path = ROOT / ".cache" / f"mlflow-{version('mlflow')}-empty.db"
+    if path.exists():
+        return path
+    path.parent.mkdir(exist_ok=True)
+    with path.with_suffix(".lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            from mlflow import MlflowClient
+
+            part = path.with_suffix(".part")
+            part.unlink(missing_ok=True)
+            MlflowClient(f"sqlite:///{part}").search_experiments()   # migrates to the head
+            part.rename(path)
     return path
 
 
