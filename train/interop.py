@@ -26,11 +26,7 @@ from safetensors.torch import load_file, save_file
 from model import ModelConfig, backbone_of, build_model
 from model.io import save_model
 from model.mechanisms.registry import by_authors_format
-from model.pretrained.authors_format import (
-    lora_state,
-    split_armt_authors_state,
-    split_authors_state,
-)
+from model.pretrained.authors_format import lora_state
 
 # Buffers older transformers saved in state dicts and current ones rebuild (GPT-2's causal
 # mask `attn.bias` / `attn.masked_bias`, RoPE's `inv_freq`): skipped on import, by name.
@@ -63,15 +59,13 @@ def import_authors(state_path: str | Path, base_dir: str | Path, segment_size: i
     out, base_dir = Path(out), Path(base_dir)
     if segment_size <= 0:
         raise ValueError(f"--segment-size must be > 0, got {segment_size}")
-    state = read_state_dict(state_path)
-    assoc, d_mem, placement = {}, 0, "follow"
-    if fmt == "armt-authors":
-        base_state, memory, assoc, layers_path, d_mem = split_armt_authors_state(state)
-    else:
-        base_state, memory = split_authors_state(state)
+    mechanism = by_authors_format(fmt)
+    ckpt = mechanism.authors_split(read_state_dict(state_path))
+    base_state, memory = ckpt.base_state, ckpt.memory
     base = AutoModelForCausalLM.from_pretrained(str(base_dir), local_files_only=True,
                                                 dtype=torch.float32)
-    if fmt == "armt-authors":
+    placement = "follow"
+    if ckpt.may_widen_positions:
         placement = _widen_position_table(base, base_state, memory.shape[0])
     skipped = sorted(k for k in base_state if k.endswith(_REBUILT_BUFFERS)
                      and k not in base.state_dict())
@@ -92,23 +86,21 @@ def import_authors(state_path: str | Path, base_dir: str | Path, segment_size: i
         AutoTokenizer.from_pretrained(str(base_dir), local_files_only=True).save_pretrained(
             out / "base")
     section = {"backbone": "hf", "tgt_len": segment_size, "mem_len": 0, "dropout": 0.0,
-               **by_authors_format(fmt).authors_section(
-                   memory.shape[0], segment_size, d_key=d_mem, correction=correction,
-                   placement=placement),
+               **mechanism.authors_section(memory.shape[0], segment_size,
+                                           correction=correction, placement=placement,
+                                           **ckpt.facts),
                "hf": {"path": str((out / "base").resolve()), "finetune": "frozen"}}
     model = build_model(ModelConfig.from_dict(section))
     with torch.no_grad():
-        model.memory_init.value.copy_(memory)
-        if assoc:
-            model.associative.load_state_dict(
-                {k[len("associative."):]: v for k, v in assoc.items()}, strict=True)
+        mechanism.authors_load(model, ckpt)
     save_model(model, out / "model.safetensors",
                extra={"imported_from": str(state_path), "imported_format": fmt})
     return {"imported": str(out / "model.safetensors"), "base": str(out / "base"),
             "format": fmt, "mechanism": section["mechanism"],
             "num_mem_tokens": memory.shape[0], "segment_size": segment_size,
             "base_tensors": len(base_state), "skipped_buffers": skipped,
-            **({"d_key": d_mem, "memory_positions": placement} if assoc else {})}
+            **ckpt.facts,
+            **({"memory_positions": placement} if ckpt.may_widen_positions else {})}
 
 
 def _widen_position_table(base, base_state: dict, m: int) -> str:

@@ -29,7 +29,7 @@ import torch
 
 from ..associative import AssociativeMemory
 from ..typed import ConfigError
-from .registry import Mechanism, register
+from .registry import AuthorsCheckpoint, Mechanism, register
 from .rmt import (
     RMTOptions,
     check_memory_norm,
@@ -217,6 +217,17 @@ class ARMT(Mechanism):
             raise ConfigError("model.armt.memory_positions", f"'table_end' places the memory "
                               f"in a learned position table; {model_type!r} has {kind} "
                               "positions")
+
+    def authors_split(self, state):
+        from ..pretrained.authors_format import split_armt_authors_state
+        base, memory, assoc, _, d_mem = split_armt_authors_state(state)
+        return AuthorsCheckpoint(base, memory, own=assoc, facts={"d_key": d_mem},
+                                 may_widen_positions=True)
+
+    def authors_load(self, model, ckpt) -> None:
+        super().authors_load(model, ckpt)
+        model.associative.load_state_dict(
+            {k[len("associative."):]: v for k, v in ckpt.own.items()}, strict=True)
 
     def authors_section(self, m, segment_size, *, d_key, correction, placement, **facts
                         ) -> dict:

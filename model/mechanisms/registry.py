@@ -23,6 +23,7 @@ ranks the launcher starts included), not only in the one that defined it.
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..typed import ConfigError
@@ -139,6 +140,15 @@ class Mechanism:
     def check_positions(self, cfg, kind: str, model_type: str) -> None:
         """Refuse a position placement the base model's position kind cannot give."""
 
+    def authors_split(self, state: dict) -> AuthorsCheckpoint:
+        """Its authors' state dict (`authors_format`) taken apart (train/interop.py)."""
+        raise ValueError(f"no authors' format for mechanism {self.name!r}")
+
+    def authors_load(self, model, ckpt: AuthorsCheckpoint) -> None:
+        """The memory (and whatever else of its own `ckpt` holds) into a model built from
+        `authors_section`; the base weights are in the base checkpoint already."""
+        model.memory_init.value.copy_(ckpt.memory)
+
     def authors_section(self, m: int, segment_size: int, **facts) -> dict:
         """The `model:` section of a model imported from the authors' format
         (`authors_format`; train/interop.py), before the backbone's fields."""
@@ -148,6 +158,20 @@ class Mechanism:
         """The authors' wrapper's state dict of a pretrained model (`memtrain export
         --format authors`)."""
         raise ValueError(f"no authors' format for mechanism {self.name!r}")
+
+
+@dataclass
+class AuthorsCheckpoint:
+    """An authors' checkpoint taken apart: the base model's weights, the memory [m, d], the
+    mechanism's own other tensors (in memtrain's names), the facts its `authors_section`
+    takes (e.g. ARMT's d_key), and whether the authors' code may have appended the memory's
+    rows to the base's learned position table (the ARMT authors' wrap_pos: the importer
+    looks at the table's size)."""
+    base_state: dict
+    memory: Any
+    own: dict = field(default_factory=dict)
+    facts: dict = field(default_factory=dict)
+    may_widen_positions: bool = False
 
 
 def register(cls: type[Mechanism]) -> type[Mechanism]:

@@ -22,7 +22,7 @@ import torch
 
 from ..memory import RMTMemory
 from ..typed import ConfigError
-from .registry import Mechanism, register
+from .registry import AuthorsCheckpoint, Mechanism, register
 
 MEMORY_NORMS = ("unit", "embedding", "none")
 RMT_PATTERNS = ("paper", "causal")
@@ -190,6 +190,10 @@ class RMT(Mechanism):
             # where(fresh, init, memory)
             embedding_saved=(TensorShape((rows, 1, 1), "bool"),) if m else (),
             saved_label="the memory rows' fresh flags (torch.where)")
+
+    def authors_split(self, state):
+        from ..pretrained.authors_format import split_authors_state
+        return AuthorsCheckpoint(*split_authors_state(state))
 
     def authors_section(self, m, segment_size, **facts) -> dict:
         # Their MemoryCell: [mem; E(x); mem] under the base model's causal mask.
