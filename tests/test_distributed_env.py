@@ -1,11 +1,19 @@
 """Who am I: rank, world and master from torchrun/deepspeed, from SLURM (srun), or alone."""
 
+import os
 import subprocess
 import sys
+import time
 
+import pytest
 from train_helpers import ROOT
 
-from train.distributed import first_slurm_host, resolve_env
+from train.distributed import (
+    STALE_LOCK_S,
+    clear_stale_build_locks,
+    first_slurm_host,
+    resolve_env,
+)
 
 
 def test_torchrun_and_deepspeed_variables_are_taken_as_they_are():
@@ -58,3 +66,16 @@ def test_deepspeed_imported_by_a_rank_leaves_mlflow_unimported_and_still_importa
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout.splitlines()
     assert out[-2:] == ["False False", "MlflowClient"]   # after DeepSpeed's own log lines
+
+
+def test_a_stale_op_build_lock_is_removed_with_a_warning_and_a_fresh_one_kept(tmp_path):
+    # A DeepSpeed op build killed midway leaves <op>/lock; every later start waited on it.
+    stale, fresh = tmp_path / "deepspeed_shm_comm" / "lock", tmp_path / "other_op" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir()
+        lock.touch()
+    old = time.time() - STALE_LOCK_S - 60
+    os.utime(stale, (old, old))
+    with pytest.warns(UserWarning, match="deepspeed_shm_comm/lock.*left by a build"):
+        assert clear_stale_build_locks(tmp_path) == [stale]
+    assert not stale.exists() and fresh.exists()   # a build may hold that one now

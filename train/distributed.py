@@ -22,6 +22,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -332,6 +333,33 @@ def import_deepspeed():
     return deepspeed
 
 
+# A build of DeepSpeed's op takes under 2 minutes here (about 30 s alone on the machine).
+STALE_LOCK_S = 15 * 60
+
+
+def clear_stale_build_locks(extensions: Path, max_age_s: float = STALE_LOCK_S) -> list[Path]:
+    """Remove the build locks of JIT-compiled ops (torch.utils.cpp_extension's FileBaton,
+    `<op>/lock`) older than `max_age_s`: a build killed midway leaves its lock behind, and
+    every later process that loads the op, built or not, waits for it to go, forever
+    (seen: every DeepSpeed start hung). Returns what was removed, each with a warning."""
+    import warnings
+
+    removed = []
+    for lock in sorted(extensions.glob("*/lock")):
+        try:
+            age = time.time() - lock.stat().st_mtime
+            if age > max_age_s:
+                lock.unlink()
+        except FileNotFoundError:     # a build finished meanwhile
+            continue
+        if age > max_age_s:
+            warnings.warn(f"removed {lock}: the build lock of an op, {age / 60:.0f} minutes "
+                          "old, left by a build that was stopped; every process loading the "
+                          "op would have waited for it", stacklevel=2)
+            removed.append(lock)
+    return removed
+
+
 def init_process_group(env: DistEnv, timeout_minutes: float = 60) -> None:
     """gloo on CPU (oneCCL is not installable here), nccl on CUDA; collectives wait at most
     `timeout_minutes` for the slowest rank (the run config's distributed.timeout_minutes).
@@ -341,6 +369,8 @@ def init_process_group(env: DistEnv, timeout_minutes: float = 60) -> None:
     prebuilt = Path(__file__).resolve().parents[1] / ".cache" / "torch_ext"
     if prebuilt.is_dir():
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(prebuilt))
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        clear_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
     deepspeed = import_deepspeed()
 
     backend = "gloo" if bind_gpu(env) is None else "nccl"
