@@ -33,6 +33,11 @@ the linear memory). The ratios are formed in log space, each an exp of a sum of 
 factors <= 0, so they never overflow. With b = 1 this is exactly the token recurrence
 above; tests/test_neural_memory.py checks both against a token-by-token float64 loop.
 
+Each token's gradient of each matrix is clipped to Frobenius norm `max_grad_norm` (its
+factor a_t^T delta_t has norm |a_t| |delta_t|, so the clip scales the token's coefficient
+w_t): the paper does not clip, and without it the memory overflows within a few segments
+at the gates' bounds (depth >= 2: in the first segment; tests/test_neural_memory.py).
+
 A sequence shorter than a chunk (or the tail of one) is a last, shorter chunk: it updates the
 memory like any other.
 
@@ -163,16 +168,23 @@ def chunk_weights(theta: torch.Tensor, log_eta: torch.Tensor, log_keep: torch.Te
 
 
 def update_chunk(weights: list[torch.Tensor], momentum: list[torch.Tensor], k, v, theta,
-                 log_eta, log_keep) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                 log_eta, log_keep, max_grad_norm: float | None = None
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(M_end, S_end) after one chunk of the tokens k, v [B, b, d] (Eq. 13-14, chunked
-    §3.2): every gradient at `weights`, the chunk's start."""
+    §3.2): every gradient at `weights`, the chunk's start. `max_grad_norm`: each token's
+    gradient of each matrix scaled to at most that Frobenius norm (|a_t^T delta_t| =
+    |a_t| |delta_t|, so the clip is a factor on the token's coefficient)."""
     factors, _ = surprise_factors(weights, k, v)
     w_s, w_m, e_end, c_s0, a_end = chunk_weights(theta, log_eta, log_keep)
     new_w, new_s = [], []
     for w0, s0, (a, delta) in zip(weights, momentum, factors, strict=True):
         at = a.transpose(1, 2)
-        g_s = torch.bmm(at * w_s[:, None], delta)                     # sum_i w_S,i g_i
-        g_m = torch.bmm(at * w_m[:, None], delta)
+        clip = 1.0
+        if max_grad_norm is not None:
+            norm = a.norm(dim=-1) * delta.norm(dim=-1)                # [B, b]
+            clip = (max_grad_norm / norm.clamp(min=1e-12)).clamp(max=1.0)
+        g_s = torch.bmm(at * (w_s * clip)[:, None], delta)            # sum_i w_S,i g_i
+        g_m = torch.bmm(at * (w_m * clip)[:, None], delta)
         new_s.append(e_end[:, None, None] * s0 - g_s)
         new_w.append(a_end[:, None, None] * w0 + c_s0[:, None, None] * s0 - g_m)
     return new_w, new_s
@@ -191,7 +203,8 @@ class NeuralMemory(nn.Module):
 
     def __init__(self, d_model: int, d_mem: int, depth: int = 2, hidden: int | None = None,
                  chunk_size: int = 16, max_lr: float = 0.5, max_momentum: float = 0.9,
-                 max_forget: float = 1.0, forget_bias: float = -4.0):
+                 max_forget: float = 1.0, forget_bias: float = -4.0,
+                 max_grad_norm: float | None = None):
         super().__init__()
         if depth < 1:
             raise ValueError(f"memory depth must be >= 1, got {depth}")
@@ -209,6 +222,7 @@ class NeuralMemory(nn.Module):
             self.gates.bias.copy_(torch.tensor([0.0, 0.0, forget_bias]))
         self.chunk_size = chunk_size
         self.max_lr, self.max_momentum, self.max_forget = max_lr, max_momentum, max_forget
+        self.max_grad_norm = max_grad_norm
 
     def initial_weights(self) -> list[torch.Tensor]:
         return [w() for w in self.init]
@@ -254,5 +268,5 @@ class NeuralMemory(nn.Module):
             if q is not None:
                 reads.append(mlp(weights, q[:, c]))
             weights, momentum = update_chunk(weights, momentum, k[:, c], v[:, c], theta[:, c],
-                                             log_eta[:, c], log_keep[:, c])
+                                             log_eta[:, c], log_keep[:, c], self.max_grad_norm)
         return weights, momentum, (torch.cat(reads, dim=1) if reads else None)

@@ -5,6 +5,8 @@ chunked form of §3.2: inside a chunk every gradient is taken at the chunk's sta
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -13,9 +15,10 @@ from model.neural_memory import NeuralMemory, NeuralMemoryState, mlp
 D_MODEL, D_MEM = 12, 6
 
 
-def naive(weights, momentum, k, v, theta, eta, alpha, chunk):
+def naive(weights, momentum, k, v, theta, eta, alpha, chunk, clip=None):
     """Eq. 12-14 one token at a time, the gradient by autograd at the weights of the token's
-    chunk start M_{t'}, t' = t - mod(t, chunk) (§3.2); chunk = 1 is the plain recurrence."""
+    chunk start M_{t'}, t' = t - mod(t, chunk) (§3.2); chunk = 1 is the plain recurrence.
+    `clip`: each token's gradient of each matrix scaled to at most that norm."""
     weights = [w.clone() for w in weights]
     momentum = [s.clone() for s in momentum]
     for t in range(k.shape[1]):
@@ -25,15 +28,19 @@ def naive(weights, momentum, k, v, theta, eta, alpha, chunk):
             loss = (mlp(at, k[:, t:t + 1]) - v[:, t:t + 1]).square().sum()      # Eq. 12
             grads = torch.autograd.grad(loss, at)
         for i, g in enumerate(grads):
+            if clip is not None:
+                norm = g.flatten(1).norm(dim=1)[:, None, None]
+                g = g * torch.clamp(clip / norm, max=1.0)
             momentum[i] = eta[:, t, None, None] * momentum[i] - theta[:, t, None, None] * g
             weights[i] = (1 - alpha[:, t, None, None]) * weights[i] + momentum[i]   # Eq. 13
     return weights, momentum
 
 
-def _setup(depth: int, chunk: int, n: int, seed: int = 0):
+def _setup(depth: int, chunk: int, n: int, seed: int = 0, clip=None):
     torch.manual_seed(seed)
     mem = NeuralMemory(D_MODEL, D_MEM, depth=depth, chunk_size=chunk, max_lr=0.7,
-                       max_momentum=0.9, max_forget=0.5, forget_bias=-1.0).double()
+                       max_momentum=0.9, max_forget=0.5, forget_bias=-1.0,
+                       max_grad_norm=clip).double()
     x = torch.randn(3, n, D_MODEL, dtype=torch.float64)
     weights = [w.detach()[None].repeat(3, 1, 1) + 0.1 * torch.randn(3, *w.shape,
                                                                       dtype=torch.float64)
@@ -49,16 +56,18 @@ def _naive_inputs(mem, x):
     return k, v, theta, log_eta.exp(), 1 - log_keep.exp()
 
 
-@pytest.mark.parametrize("depth,chunk,n", [(1, 1, 7), (2, 1, 7), (2, 4, 11), (3, 5, 10),
-                                           (2, 16, 5)])
-def test_chunked_parallel_update_equals_the_token_by_token_float64_recurrence(depth, chunk, n):
+@pytest.mark.parametrize("depth,chunk,n,clip", [(1, 1, 7, None), (2, 1, 7, None),
+                                                (2, 4, 11, None), (3, 5, 10, None),
+                                                (2, 16, 5, None), (2, 4, 11, 0.5)])
+def test_chunked_parallel_update_equals_the_token_by_token_float64_recurrence(depth, chunk, n,
+                                                                              clip):
     """The chunked form (w_i coefficients, one matmul per matrix) equals Eq. 13-14 run token
     by token, for a linear and deep memories, chunks that divide the sequence, a ragged last
-    chunk, and a sequence shorter than one chunk."""
-    mem, x, weights, momentum = _setup(depth, chunk, n)
+    chunk, a sequence shorter than one chunk, and with the per-token gradient clip."""
+    mem, x, weights, momentum = _setup(depth, chunk, n, clip=clip)
     with torch.no_grad():
         got_w, got_s, _ = mem.update(weights, momentum, x)
-    want_w, want_s = naive(weights, momentum, *_naive_inputs(mem, x), chunk)
+    want_w, want_s = naive(weights, momentum, *_naive_inputs(mem, x), chunk, clip)
     for got, want in zip(got_w + got_s, want_w + want_s, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
@@ -120,3 +129,34 @@ def test_reset_rows_give_a_fresh_document_and_replace_non_finite_values():
     assert torch.isfinite(reset.weights[0][0]).all() and torch.isnan(w[0][1]).all()
     loaded = NeuralMemoryState.from_state_dict(reset.state_dict())
     assert loaded.fresh.tolist() == [True, False]
+
+
+def _run_at_the_bounds(depth: int, clip, segments: int) -> float:
+    """The largest |weight| over `segments` segments of 16 tokens with every gate at its
+    bound (theta = max_lr = 1, eta = max_momentum = 0.99, no forgetting), or inf."""
+    torch.manual_seed(0)
+    mem = NeuralMemory(32, 16, depth=depth, chunk_size=16, max_lr=1.0, max_momentum=0.99,
+                       max_forget=0.0, max_grad_norm=clip)
+    with torch.no_grad():
+        mem.gates.bias.copy_(torch.tensor([30.0, 30.0, -30.0]))   # sigmoid = 1, 1, 0
+        weights, momentum = NeuralMemoryState.empty(2, 1, mem.shapes).layer(
+            0, mem.initial_weights())
+        largest = 0.0
+        for _ in range(segments):
+            weights, momentum, _ = mem.update(weights, momentum, 3 * torch.randn(2, 16, 32))
+            top = max(float(w.abs().max()) for w in weights)
+            if not math.isfinite(top):
+                return math.inf
+            largest = max(largest, top)
+    return largest
+
+
+@pytest.mark.parametrize("depth", [1, 4])
+def test_at_every_bound_the_clipped_memory_stays_finite_and_the_unclipped_one_does_not(depth):
+    """The bounds together (model.titans.max_lr <= 1, max_momentum < 1, memory_depth <= 4,
+    max_forget 0) with the gates saturated: the clipped memory stays finite over 300
+    segments, its weights levelling off (measured: largest |w| 178 linear, 498 at depth 4,
+    the same at 100 segments within 30%); without the clip the same memory overflows
+    within 100 segments (a deep one in the first few)."""
+    assert _run_at_the_bounds(depth, 1.0, 300) < 1e3
+    assert _run_at_the_bounds(depth, None, 100) == math.inf

@@ -30,7 +30,7 @@ from ..typed import ConfigError
 _REGISTRY: dict[str, Mechanism] = {}
 # The built-in mechanisms' modules, in the order their config sections are written: a new
 # mechanism of this package is one module and one entry here.
-BUILTIN = ("xl", "lamemo", "rmt", "armt")
+BUILTIN = ("xl", "lamemo", "rmt", "armt", "titans")
 
 
 class Mechanism:

@@ -1,0 +1,158 @@
+"""Titans, memory as a context (model/titans.py, model/mechanisms/titans.py), on the native
+stack: the bounds of its options, causality inside a segment, the memory crossing segments,
+the BPTT cut through the inner updates, and the state's round trip. The neural memory's
+update itself is pinned against the equations in tests/test_neural_memory.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from data_pipeline.streams import SegmentBatch
+from model import ConfigError, ModelConfig, build_model
+from model.memory import MemoryState
+from model.neural_memory import NeuralMemoryState
+from train.bptt import run_window
+
+V, L = 13, 6
+
+
+def titans_model(seed: int = 0, sharpen: bool = True, **titans) -> torch.nn.Module:
+    opts = {"d_mem": 8, "chunk_size": 4, "num_persistent": 2, **titans}
+    torch.manual_seed(seed)
+    model = build_model(ModelConfig(mechanism="titans", vocab_size=V, n_layer=2, d_model=16,
+                                    n_head=2, d_inner=32, dropout=0.0, tgt_len=L, mem_len=0,
+                                    pre_lnorm=True, titans=opts))
+    if sharpen:   # Eq. 25's gate starts at W_G = 0: give it values so the memory matters
+        with torch.no_grad():
+            for gate in model.core.memory_gate:
+                gate.proj.weight.normal_(0.0, 0.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("max_lr", 0.0), ("max_lr", 1.5), ("max_momentum", 1.0), ("max_momentum", -0.1),
+    ("memory_depth", 0), ("memory_depth", 5), ("max_forget", 1.5), ("max_grad_norm", 0.0),
+    ("max_grad_norm", float("inf")), ("chunk_size", 0), ("d_mem", 0), ("num_persistent", -1),
+    ("variant", "mag")])
+def test_each_bound_of_the_options_is_refused_by_its_field(field, value):
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(mechanism="titans", mem_len=0, titans={field: value})
+    assert err.value.field == f"model.titans.{field}"
+
+
+def test_an_xl_cache_is_refused_at_construction_and_for_evaluation():
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(mechanism="titans", mem_len=4)
+    assert err.value.field == "model.mem_len"
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(mechanism="titans", mem_len=0).check_lengths(8, -1, False, "eval")
+    assert err.value.field == "eval.mem_len"
+
+
+def test_a_token_sees_neither_later_tokens_nor_their_memory_reads():
+    """Token j may attend to the read h_i only for i <= j (h_i is read with token i's query)
+    and Eq. 25 reads the memory of the chunks before its own: changing token 4 of a segment
+    (chunk 4) leaves the log-probs of tokens 0-3 exactly as they were, in this segment, and
+    changes the next segment through the memory."""
+    model = titans_model()
+    x = torch.randint(0, V, (2, 2 * L), generator=torch.Generator().manual_seed(1))
+    y = x.clone()
+    y[:, 4] = (y[:, 4] + 1) % V
+    with torch.no_grad():
+        a1, b1 = model(x[:, :L], None, return_log_probs=True), model(y[:, :L], None,
+                                                                     return_log_probs=True)
+        a2 = model(x[:, L:], a1.state, return_log_probs=True)
+        b2 = model(x[:, L:], b1.state, return_log_probs=True)
+    assert torch.equal(a1.log_probs[:, :4], b1.log_probs[:, :4])
+    assert (a1.log_probs[:, 4:] - b1.log_probs[:, 4:]).abs().max() > 1e-5
+    assert (a2.log_probs - b2.log_probs).abs().max() > 1e-5
+
+
+def test_the_memory_crosses_segments_and_a_reset_row_is_a_fresh_document():
+    model = titans_model()
+    x = torch.randint(0, V, (2, 2 * L), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        first = model(x[:, :L], None)
+        carried = model(x[:, L:], first.state, return_log_probs=True).log_probs
+        fresh = model(x[:, L:], None, return_log_probs=True).log_probs
+        reset = model(x[:, L:], first.state.reset_rows(torch.tensor([True, False])),
+                      return_log_probs=True).log_probs
+    assert (carried - fresh).abs().max() > 1e-4
+    assert torch.equal(reset[0], fresh[0]) and torch.equal(reset[1], carried[1])
+
+
+def test_at_initialisation_the_memory_gate_is_the_identity():
+    model = titans_model(sharpen=False)
+    x = torch.randint(0, V, (2, L))
+    core = model.core
+    with torch.no_grad():
+        y = torch.randn(2, L, 16)
+        assert torch.equal(core.memory_gate[0](y, torch.randn(2, L, 8)), y)
+        assert model(x, None).state.weights[0].abs().sum() > 0
+
+
+def segments(n: int, seed: int) -> list[SegmentBatch]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, V, (2, n * L + 1), generator=g)
+    return [SegmentBatch(tokens=tokens[:, s * L:(s + 1) * L + 1],
+                         reset=torch.zeros(2, dtype=torch.bool), loss_mask=None, epoch=0, step=s)
+            for s in range(n)]
+
+
+@pytest.mark.parametrize("checkpoint_segments", [False, True])
+@pytest.mark.parametrize(("detach_before", "reached"), [
+    (frozenset(), [True, True, True, True]),
+    (frozenset({2}), [False, False, True, True]),
+    (frozenset({3}), [False, False, False, True]),
+])
+def test_gradient_reaches_exactly_the_segments_after_the_last_cut(detach_before, reached,
+                                                                  checkpoint_segments):
+    # Only the last of 4 segments has a loss; it reaches earlier segments only through the
+    # memory's weights and momentum (the inner updates). The trainer's BPTT depth k is such
+    # a cut k segments back (train/bptt.py).
+    model = titans_model().train()
+    probes = {}
+
+    def probe(_module, args, out):
+        leaf = probes.setdefault(args[0].data_ptr(), torch.zeros((), requires_grad=True))
+        return out + leaf
+    model.embedding.register_forward_hook(probe)
+    result = run_window(model, None, segments(4, seed=4), torch.device("cpu"),
+                        counted=[False, False, False, True], detach_before=detach_before,
+                        checkpoint_segments=checkpoint_segments)
+    result.loss.backward()
+    assert len(probes) == 4
+    assert [p.grad is not None and p.grad.abs().item() > 0 for p in probes.values()] == reached
+
+
+def test_the_state_saves_loads_and_moves_to_bf16_exactly(tmp_path):
+    model = titans_model()
+    x = torch.randint(0, V, (2, 2 * L))
+    with torch.no_grad():
+        state = model(x[:, :L], None).state
+        want = model(x[:, L:], state, return_log_probs=True).log_probs
+    torch.save(state.state_dict(), tmp_path / "memory.pt")
+    back = MemoryState.from_state_dict(torch.load(tmp_path / "memory.pt", weights_only=True))
+    assert isinstance(back, NeuralMemoryState) and back.kind == "titans"
+    with torch.no_grad():
+        assert torch.equal(model(x[:, L:], back, return_log_probs=True).log_probs, want)
+    moved = back.to(dtype=torch.bfloat16)
+    assert all(w.dtype == torch.float32 for w in moved.weights + moved.momentum)
+    assert [w.shape for w in back.weights] == [(2, 2, 8, 16), (2, 2, 16, 8)]
+
+
+def test_a_bf16_model_keeps_a_float32_state_close_to_the_float32_model():
+    model = titans_model()
+    x = torch.randint(0, V, (2, 4 * L), generator=torch.Generator().manual_seed(3))
+    states = {}
+    with torch.no_grad():
+        for name, m in (("f32", model), ("bf16", titans_model().to(torch.bfloat16))):
+            state = None
+            for s in range(4):
+                state = m(x[:, s * L:(s + 1) * L], state).state
+            states[name] = state
+    got, want = states["bf16"], states["f32"]
+    for a, b in zip(got.weights + got.momentum, want.weights + want.momentum, strict=True):
+        assert a.dtype == torch.float32 and torch.isfinite(a).all()
+        assert (a - b).norm() / b.norm() < 0.05
