@@ -71,6 +71,15 @@ class Titans(Mechanism):
     own_init = ("memory.", "memory_gate.", "persistent")
     identity_fields = ("variant",)
     pretrained = True
+    # Around a pretrained decoder: the persistent rows, then [h_i x_i] pairs sharing a
+    # position (model/pretrained/titans.py), so a segment uses P + L positions.
+    memory_blocks = 1
+
+    def num_mem_tokens(self, cfg) -> int:
+        return cfg.titans.num_persistent
+
+    def warmup_segments(self, cfg, mem_len, tgt_len) -> int:
+        return 1    # the memory holds something once one segment has been written
 
     def validate(self, cfg) -> None:
         o = cfg.titans
