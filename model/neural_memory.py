@@ -102,7 +102,8 @@ class NeuralMemoryState(MemoryState):
     def written(self, weights: list[list[torch.Tensor]], momentum: list[list[torch.Tensor]]
                 ) -> NeuralMemoryState:
         """The state after a segment from each layer's (weights, momentum) lists."""
-        stack = lambda per_layer: [torch.stack(ws, dim=1) for ws in zip(*per_layer, strict=True)]
+        def stack(per_layer):
+            return [torch.stack(ws, dim=1) for ws in zip(*per_layer, strict=True)]
         return NeuralMemoryState(weights=stack(weights), momentum=stack(momentum),
                                  fresh=torch.zeros_like(self.fresh))
 

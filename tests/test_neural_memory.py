@@ -94,8 +94,8 @@ def test_a_sequence_shorter_than_a_chunk_still_updates_the_memory():
 
 def test_gradient_reaches_the_projections_and_gates_through_the_inner_update():
     mem, x, _, _ = _setup(2, 4, 9)
-    weights, momentum = NeuralMemoryState.empty(3, 1, mem.shapes).to(dtype=torch.float64
-                                                                      ).layer(0, mem.initial_weights())
+    fresh = NeuralMemoryState.empty(3, 1, mem.shapes).to(dtype=torch.float64)
+    weights, momentum = fresh.layer(0, mem.initial_weights())
     new_w, _, _ = mem.update(weights, momentum, x)
     mem.retrieve(new_w, x).square().sum().backward()
     for name, p in mem.named_parameters():
