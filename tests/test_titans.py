@@ -134,14 +134,18 @@ def test_a_bf16_model_keeps_a_float32_state_close_to_the_float32_model():
         assert (a - b).norm() / b.norm() < 0.05
 
 
-def test_titans_trains_resumes_and_evaluates_through_the_engine(tmp_path, monkeypatch):
-    """`memtrain train` in this process (BPTT depth 1 over windows, segment checkpointing),
-    resumed from its step-3 checkpoint with the memory it saved, then `memtrain eval`."""
+def test_titans_trains_under_zero3_bf16_resumes_evaluates_and_generates(tmp_path, monkeypatch,
+                                                                        capsys):
+    """`memtrain train` in this process under ZeRO-3 and bf16 (the memory's parameters
+    gathered where they are called, its state float32), BPTT depth 1 with segment
+    checkpointing; resumed from its step-3 checkpoint with the memory it saved; then
+    `memtrain eval` and `memtrain generate` from the exported model."""
     import json
 
     from train_helpers import tiny_config, train_in_process
 
     from evaluation.cli import main_eval
+    from evaluation.generate_cli import main_generate
     from train.checkpoint import find_latest, load_rank_payload
     from train.config import load_config
     config = tiny_config(tmp_path, "titans", max_steps=3, save_every=3,
@@ -149,6 +153,7 @@ def test_titans_trains_resumes_and_evaluates_through_the_engine(tmp_path, monkey
                                 "d_inner": 32, "tgt_len": 4, "mem_len": 0, "pre_lnorm": True,
                                 "titans": {"d_mem": 8, "chunk_size": 2}},
                          bptt={"depth": 1, "checkpoint_segments": True},
+                         deepspeed={"zero_stage": 3, "precision": "bf16"},
                          data={"global_batch": 2}, eval={"max_segments": 2},
                          tracking={"enabled": False})
     train_in_process(load_config(config), monkeypatch)
@@ -161,6 +166,11 @@ def test_titans_trains_resumes_and_evaluates_through_the_engine(tmp_path, monkey
     assert max(r.get("step") or 0 for r in records) == 5
     assert all(torch.isfinite(torch.tensor(losses)))
     assert main_eval(["--run-dir", str(run), "--no-track"]) == 0
+    capsys.readouterr()
+    assert main_generate(["--checkpoint", str(run / "model.safetensors"), "--data",
+                          str(tmp_path / "data"), "--prompt-ids", "1 2 3 4 5 6",
+                          "--max-new-tokens", "6", "--seed", "0"]) == 0
+    assert len(capsys.readouterr().out.split()) >= 6
 
 
 def test_titans_is_planned_with_its_state_stated(capsys):
