@@ -1,7 +1,7 @@
 """The mechanism registry: `ModelConfig.mechanism` -> the `Mechanism` that runs it.
 
-A memory mechanism is one module of this package (xl.py, lamemo.py, rmt.py, armt.py) with a
-subclass of `Mechanism`, registered by name. It states everything the rest of the house
+A memory mechanism is one module of this package (xl.py, lamemo.py, rmt.py, armt.py,
+titans.py) with a subclass of `Mechanism`, registered by name. It states everything the rest of the house
 asks of it, so that nothing outside the mechanism modules branches on a mechanism's name:
 
     options      its config section (`model.<section>`, a dataclass) and its validation
