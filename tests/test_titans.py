@@ -134,6 +134,7 @@ def test_a_bf16_model_keeps_a_float32_state_close_to_the_float32_model():
         assert (a - b).norm() / b.norm() < 0.05
 
 
+@pytest.mark.slow
 def test_titans_trains_under_zero3_bf16_resumes_evaluates_and_generates(tmp_path, monkeypatch,
                                                                         capsys):
     """`memtrain train` in this process under ZeRO-3 and bf16 (the memory's parameters
