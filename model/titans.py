@@ -28,6 +28,13 @@ causal language model (docs/titans.md lists them):
   can express those constants (and more).
 - One neural memory per layer, as ARMT has one association matrix per layer.
 
+`model.titans.variant` "mag" (memory as a gate, §4.2) and "mal" (as a layer, §4.3) use the
+same memory and state: MAG attends over [p_l | x] and gates its output with the memory's
+read of x, o = y ⊗ M*(x); MAL adds the memory's read W_H M*(x) to x (a residual branch: a
+choice, the paper feeds M's output alone) and attends over [p_l | that]. In both the
+memory is updated with the layer's input x, and each token reads the weights of its
+chunk's start.
+
 The state (NeuralMemoryState: every layer's MLP weights and momentum, float32) is NOT
 detached here: gradients flow through the inner updates into earlier segments until the
 caller detaches it, which sets the BPTT depth, as for RMT and ARMT.
@@ -96,13 +103,14 @@ class TitansMAC(RelativeBackbone):
     @classmethod
     def segment_shapes(cls, cfg: ModelConfig, rows: int, mem_len: int) -> SegmentShapes:
         """L query rows per layer over K = P + 2L keys [persistent | retrieved | tokens]
-        (one distance list, as XL's with a cache of P + L). Besides the layer, each layer
-        saves the memory's reads (the query, every matrix's pre-activation and output, for
-        the retrieval and Eq. 25's read) and its update's tensors (keys, values, gates, and
-        per chunk the weights and momentum at its start, the MLP's inputs and errors); the
-        state is every layer's weights and momentum, float32."""
+        (one distance list, as XL's with a cache of P + L); P + L keys for MAG and MAL.
+        Besides the layer, each layer saves the memory's reads (the query, every matrix's
+        pre-activation and output, for the retrieval and Eq. 25's read) and its update's
+        tensors (keys, values, gates, and per chunk the weights and momentum at its start,
+        the MLP's inputs and errors); the state is every layer's weights and momentum,
+        float32."""
         o, n, d, n_layer = cfg.titans, cfg.tgt_len, cfg.d_model, cfg.n_layer
-        k = o.num_persistent + 2 * n
+        k = o.num_persistent + (2 if o.variant == "mac" else 1) * n
         mem = neural_memory(cfg)
         widths = [s[1] for s in mem.shapes]
         chunks = -(-n // o.chunk_size)
@@ -136,22 +144,40 @@ class TitansMAC(RelativeBackbone):
             state = self.empty_state(bsz, h0.device)
         persistent = self.persistent() if self.persistent is not None else None
         n_p = persistent.shape[1] if persistent is not None else 0
+        mac = self.cfg.titans.variant == "mac"
+        # keys [p | h | x] (MAC) or [p | x] (MAG, MAL)
         allowed = mac_allowed(n_p, n_tok, h0.device)
-        n_k = n_p + 2 * n_tok
-        dist = distance_list(n_p + n_tok, n_tok, 0, n_k, n_dist=n_k, device=h0.device)
+        if not mac:
+            allowed = allowed[:, :, :n_p + n_tok]
+        n_k = allowed.shape[-1]
+        dist = distance_list(n_k - n_tok, n_tok, 0, n_k, n_dist=n_k, device=h0.device)
         r_emb = self.r_emb(dist, lengths, dtype=h0.dtype)
 
         x, new_w, new_s = h0, [], []
         bias = self.bias_tensors()
         for i, (layer, mem) in enumerate(zip(self.layers, self.memory, strict=True)):
             weights, momentum = state.layer(i, mem.initial_weights())
-            h = self.memory_out[i](mem.retrieve(weights, x).to(x.dtype))        # Eq. 21
-            context = h if persistent is None else torch.cat(
-                [persistent[i].to(x.dtype)[None].expand(bsz, -1, -1), h], dim=1)   # Eq. 22
+            rows = [] if persistent is None else [
+                persistent[i].to(x.dtype)[None].expand(bsz, -1, -1)]
             u, v = self.biases(i, bias)
-            y = self.run_layer(layer, x, context, r_emb, u, v, allowed)             # Eq. 23
-            weights, momentum, r = mem.update(weights, momentum, y, read=y)        # Eq. 24
-            x = self.memory_gate[i](y, r)                                          # Eq. 25
+            if mac:
+                h = self.memory_out[i](mem.retrieve(weights, x).to(x.dtype))      # Eq. 21
+                context = torch.cat([*rows, h], dim=1)                            # Eq. 22
+                y = self.run_layer(layer, x, context, r_emb, u, v, allowed)         # Eq. 23
+                weights, momentum, r = mem.update(weights, momentum, y, read=y)    # Eq. 24
+                x = self.memory_gate[i](y, r)                                      # Eq. 25
+            else:
+                # MAG (§4.2): attention and the memory side by side on the layer's input,
+                # combined by the gate. MAL (§4.3): the memory's read (a residual
+                # branch, W_H) is the attention's input.
+                weights, momentum, r = mem.update(weights, momentum, x, read=x)
+                context = torch.cat(rows, dim=1) if rows else None
+                if self.cfg.titans.variant == "mag":
+                    y = self.run_layer(layer, x, context, r_emb, u, v, allowed)
+                    x = self.memory_gate[i](y, r)
+                else:
+                    x = x + self.memory_out[i](r.to(x.dtype))
+                    x = self.run_layer(layer, x, context, r_emb, u, v, allowed)
             new_w.append(weights)
             new_s.append(momentum)
         return self.drop(x), state.written(new_w, new_s)

@@ -17,6 +17,7 @@ V, L = 13, 6
 
 
 def titans_model(seed: int = 0, sharpen: bool = True, **titans) -> torch.nn.Module:
+    """A 2-layer float32 model; `titans` updates the section (e.g. variant="mag")."""
     opts = {"d_mem": 8, "chunk_size": 4, "num_persistent": 2, **titans}
     torch.manual_seed(seed)
     model = build_model(ModelConfig(mechanism="titans", vocab_size=V, n_layer=2, d_model=16,
@@ -33,11 +34,18 @@ def titans_model(seed: int = 0, sharpen: bool = True, **titans) -> torch.nn.Modu
     ("max_lr", 0.0), ("max_lr", 1.5), ("max_momentum", 1.0), ("max_momentum", -0.1),
     ("memory_depth", 0), ("memory_depth", 5), ("max_forget", 1.5), ("max_grad_norm", 0.0),
     ("max_grad_norm", float("inf")), ("chunk_size", 0), ("d_mem", 0), ("num_persistent", -1),
-    ("variant", "mag")])
+    ("variant", "mat")])
 def test_each_bound_of_the_options_is_refused_by_its_field(field, value):
     with pytest.raises(ConfigError) as err:
         ModelConfig(mechanism="titans", mem_len=0, titans={field: value})
     assert err.value.field == f"model.titans.{field}"
+
+
+def test_mag_and_mal_are_refused_around_a_pretrained_decoder():
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(mechanism="titans", backbone="hf", mem_len=0, titans={"variant": "mag"},
+                    hf={"path": "unused"})
+    assert err.value.field == "model.titans.variant"
 
 
 def test_an_xl_cache_is_refused_at_construction_and_for_evaluation():
@@ -49,12 +57,13 @@ def test_an_xl_cache_is_refused_at_construction_and_for_evaluation():
     assert err.value.field == "eval.mem_len"
 
 
-def test_a_token_sees_neither_later_tokens_nor_their_memory_reads():
+@pytest.mark.parametrize("variant", ["mac", "mag", "mal"])
+def test_a_token_sees_neither_later_tokens_nor_their_memory_reads(variant):
     """Token j may attend to the read h_i only for i <= j (h_i is read with token i's query)
-    and Eq. 25 reads the memory of the chunks before its own: changing token 4 of a segment
-    (chunk 4) leaves the log-probs of tokens 0-3 exactly as they were, in this segment, and
-    changes the next segment through the memory."""
-    model = titans_model()
+    and every other read is of the memory of the chunks before its own: changing token 4 of
+    a segment (chunk 4) leaves the log-probs of tokens 0-3 exactly as they were, in this
+    segment, and changes the next segment through the memory."""
+    model = titans_model(variant=variant)
     x = torch.randint(0, V, (2, 2 * L), generator=torch.Generator().manual_seed(1))
     y = x.clone()
     y[:, 4] = (y[:, 4] + 1) % V
@@ -68,8 +77,9 @@ def test_a_token_sees_neither_later_tokens_nor_their_memory_reads():
     assert (a2.log_probs - b2.log_probs).abs().max() > 1e-5
 
 
-def test_the_memory_crosses_segments_and_a_reset_row_is_a_fresh_document():
-    model = titans_model()
+@pytest.mark.parametrize("variant", ["mac", "mag", "mal"])
+def test_the_memory_crosses_segments_and_a_reset_row_is_a_fresh_document(variant):
+    model = titans_model(variant=variant)
     x = torch.randint(0, V, (2, 2 * L), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         first = model(x[:, :L], None)
@@ -100,6 +110,13 @@ def test_gradient_reaches_exactly_the_segments_after_the_last_cut(detach_before,
     model = titans_model().train()
     assert segments_reached(model, random_segments(4, V, L, seed=4), detach_before,
                             checkpoint_segments) == reached
+
+
+@pytest.mark.parametrize("variant", ["mag", "mal"])
+def test_mag_and_mal_carry_the_gradient_through_their_updates_to_the_cut(variant):
+    model = titans_model(variant=variant).train()
+    assert segments_reached(model, random_segments(4, V, L, seed=4), frozenset({2}),
+                            False) == [False, False, True, True]
 
 
 def test_the_state_saves_loads_and_moves_to_bf16_exactly(tmp_path):

@@ -1,8 +1,9 @@
 """The mechanism registry: `ModelConfig.mechanism` -> the `Mechanism` that runs it.
 
 A memory mechanism is one module of this package (xl.py, lamemo.py, rmt.py, armt.py,
-titans.py) with a subclass of `Mechanism`, registered by name. It states everything the rest of the house
-asks of it, so that nothing outside the mechanism modules branches on a mechanism's name:
+titans.py) with a subclass of `Mechanism`, registered by name. It states everything the
+rest of the house asks of it, so that nothing outside the mechanism modules branches on a
+mechanism's name:
 
     options      its config section (`model.<section>`, a dataclass) and its validation
     state        its `MemoryState` subclass (model/memory.py) and its initial state

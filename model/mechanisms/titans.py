@@ -23,7 +23,7 @@ from ..neural_memory import NeuralMemoryState
 from ..typed import ConfigError
 from .registry import Mechanism, register
 
-VARIANTS = ("mac",)
+VARIANTS = ("mac", "mag", "mal")
 MAX_DEPTH = 4
 
 
@@ -31,7 +31,8 @@ MAX_DEPTH = 4
 class TitansOptions:
     """Titans' neural memory (§3) and its memory-as-a-context architecture (§4.1)."""
 
-    # "mac": memory as a context (§4.1), the one implemented (MAG and MAL are not yet).
+    # "mac": memory as a context (§4.1); "mag": as a gate (§4.2); "mal": as a layer (§4.3).
+    # MAG and MAL on the native stack only.
     variant: str = "mac"
     # Width of q, k, v and of the memory's input and output (d_in of M).
     d_mem: int = 32
@@ -84,8 +85,11 @@ class Titans(Mechanism):
     def validate(self, cfg) -> None:
         o = cfg.titans
         if o.variant not in VARIANTS:
-            raise ConfigError("model.titans.variant", f"unknown {o.variant!r}; implemented: "
-                              f"{', '.join(VARIANTS)} (MAG and MAL are not yet)")
+            raise ConfigError("model.titans.variant", f"unknown {o.variant!r}; choose one "
+                              f"of {', '.join(VARIANTS)}")
+        if o.variant != "mac" and cfg.backbone != "native":
+            raise ConfigError("model.titans.variant", f"{o.variant!r} runs on the native "
+                              "stack only; around a pretrained decoder: 'mac'")
         if o.d_mem <= 0:
             raise ConfigError("model.titans.d_mem", f"must be > 0, got {o.d_mem}")
         if not 1 <= o.memory_depth <= MAX_DEPTH:
