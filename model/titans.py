@@ -86,7 +86,7 @@ def initial_state(memories: nn.ModuleList, batch_size: int, device=None) -> Neur
     return NeuralMemoryState.empty(batch_size, len(memories), memories[0].shapes, device)
 
 
-class TitansMAC(RelativeBackbone):
+class TitansCore(RelativeBackbone):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         o = cfg.titans

@@ -200,7 +200,7 @@ def test_titans_is_planned_with_its_state_stated(capsys):
 
 def test_the_plan_of_a_titans_window_is_within_15_percent_of_the_measured_peak():
     """One window of 2 segments on the CPU: the planner's peak from the shapes
-    `TitansMAC.segment_shapes` states, against the allocator's (measured: 0.92-1.0 of it;
+    `TitansCore.segment_shapes` states, against the allocator's (measured: 0.92-1.0 of it;
     the saved tensors 0.90-0.97, the deep memory's backward intermediates undercounted)."""
     from planner.window import predict_window
     from train.memory_probe import measure

@@ -124,8 +124,8 @@ class Titans(Mechanism):
                               "memory's reads (MAC, §4.1), no XL cache")
 
     def core_class(self, cfg) -> type:
-        from ..titans import TitansMAC
-        return TitansMAC
+        from ..titans import TitansCore
+        return TitansCore
 
     # -- around a pretrained decoder -------------------------------------------------------
     def pretrained_parameters(self, cfg, base, memory_scale):

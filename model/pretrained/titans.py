@@ -124,10 +124,10 @@ def memory_rows(cfg, rows: int, trained_params: int) -> MemoryRows:
     """P + 2L rows through every layer under the base model's own mask; per layer a stated
     block for the memory's read and update (what model/titans.py's segment_shapes lists),
     and the state: every layer's weights and momentum, float32."""
-    from ..titans import TitansMAC
+    from ..titans import TitansCore
     o, n, d = cfg.titans, cfg.tgt_len, cfg.d_model
     q = o.num_persistent + 2 * n
-    native = TitansMAC.segment_shapes(cfg, rows, 0)
+    native = TitansCore.segment_shapes(cfg, rows, 0)
     layer = native.layers[0]
     per_layer = sum(p.numel() for p in _one_layer(cfg).parameters())
     block = StatedBlock("neural memory", saved=layer.saved, alive=(TensorShape((rows, q, d)),),
