@@ -196,6 +196,12 @@ def test_titans_is_planned_with_its_state_stated(capsys):
     assert main_plan(["--config", "quickstart", "--gpu", "a100-80gb",
                       "model.mechanism=titans", "model.mem_len=0"]) == 0
     assert "Titans M and S: 2 layers x 2 matrices [32, 64] + [64, 32]" in capsys.readouterr().out
+    # around a pretrained GPT-2 (a shape-only config.json): the same state, stated rows
+    assert main_plan(["--config", "copy-gpt2-hf-cpu", "--gpu", "a100-80gb",
+                      "model.mechanism=titans", "model.titans.d_mem=16"]) == 0
+    out = capsys.readouterr().out
+    assert "Titans M and S: 2 layers x 2 matrices [16, 32] + [32, 16] per row" in out
+    assert "the neural memory's reads and update" in out
 
 
 def test_the_plan_of_a_titans_window_is_within_15_percent_of_the_measured_peak():
