@@ -1,5 +1,6 @@
-"""Titans, memory as a context (MAC; Behrouz, Zhong, Mirrokni 2025, §4.1) on the native
-relative-position stack. The neural memory and its update are model/neural_memory.py.
+"""Titans (Behrouz, Zhong, Mirrokni 2025) on the native relative-position stack: memory as
+a context (MAC, §4.1), and as a gate or a layer (MAG, MAL; below). The neural memory and
+its update are model/neural_memory.py.
 
 Per segment S (the paper's chunk of the sequence) and layer l, in the paper's order
 (retrieve, attend, update):
@@ -91,11 +92,14 @@ class TitansCore(RelativeBackbone):
         super().__init__(cfg)
         o = cfg.titans
         self.memory = nn.ModuleList(neural_memory(cfg) for _ in range(cfg.n_layer))
-        # W_H: the retrieved values (d_mem) as context rows of the model's width.
-        self.memory_out = nn.ModuleList(nn.Linear(o.d_mem, cfg.d_model, bias=False)
-                                        for _ in range(cfg.n_layer))
-        self.memory_gate = nn.ModuleList(MemoryGate(o.d_mem, cfg.d_model)
+        # W_H: the retrieved values (d_mem) as rows of the model's width (MAC's context rows,
+        # MAL's residual branch); MAG uses the read only through its gate, MAL has no gate.
+        self.memory_out = (nn.ModuleList(nn.Linear(o.d_mem, cfg.d_model, bias=False)
                                          for _ in range(cfg.n_layer))
+                           if o.variant != "mag" else None)
+        self.memory_gate = (nn.ModuleList(MemoryGate(o.d_mem, cfg.d_model)
+                                          for _ in range(cfg.n_layer))
+                            if o.variant != "mal" else None)
         std = cfg.init_std * cfg.d_model ** 0.5        # a scaled token embedding's scale
         self.persistent = (Learned(torch.randn(cfg.n_layer, o.num_persistent, cfg.d_model) * std)
                            if o.num_persistent else None)

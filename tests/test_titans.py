@@ -25,7 +25,7 @@ def titans_model(seed: int = 0, sharpen: bool = True, **titans) -> torch.nn.Modu
                                     pre_lnorm=True, titans=opts))
     if sharpen:   # Eq. 25's gate starts at W_G = 0: give it values so the memory matters
         with torch.no_grad():
-            for gate in model.core.memory_gate:
+            for gate in model.core.memory_gate or ():
                 gate.proj.weight.normal_(0.0, 0.5)
     return model.eval()
 
@@ -89,6 +89,18 @@ def test_the_memory_crosses_segments_and_a_reset_row_is_a_fresh_document(variant
                       return_log_probs=True).log_probs
     assert (carried - fresh).abs().max() > 1e-4
     assert torch.equal(reset[0], fresh[0]) and torch.equal(reset[1], carried[1])
+
+
+@pytest.mark.parametrize("variant", ["mac", "mag", "mal"])
+def test_every_parameter_is_used_and_trained_from_the_first_segment_pair(variant):
+    """No parameter a variant leaves without a gradient over two segments (MAG has no
+    W_H, MAL no Eq. 25 gate: neither is built)."""
+    model = titans_model(sharpen=False, variant=variant).train()
+    x = torch.randint(0, V, (2, 2 * L + 1), generator=torch.Generator().manual_seed(6))
+    first = model(x[:, :L], None, targets=x[:, 1:L + 1])
+    second = model(x[:, L:2 * L], first.state, targets=x[:, L + 1:])
+    (first.loss + second.loss).backward()
+    assert [n for n, p in model.named_parameters() if p.grad is None] == []
 
 
 def test_at_initialisation_the_memory_gate_is_the_identity():
