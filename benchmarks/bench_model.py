@@ -110,6 +110,18 @@ def memory_child(args) -> None:
     print((status_kib("VmHWM") - before) / 1024)
 
 
+def ratio_line(speed: dict, new: str, old: str, memory: bool) -> str:
+    """'NEW / OLD, best of each: time per token ...x[, peak memory ...x]'."""
+    def best(m, key):
+        return min(speed[f"{m}-{i}"][key] for i in ("fused", "plain"))
+    names = {"armt": "ARMT", "rmt": "RMT", "titans": "Titans"}
+    time = best(new, "median_s_per_step") / best(old, "median_s_per_step")
+    line = f"{names[new]} / {names[old]}, best of each: time per token {time:.2f}x"
+    if memory:
+        line += f", peak memory {best(new, 'peak_mb') / best(old, 'peak_mb'):.2f}x"
+    return line
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -168,20 +180,9 @@ def main(argv=None) -> int:
     if "lamemo" in args.mechanisms:
         print(f"LaMemo (fused) time per token / best XL: "
               f"{speed['lamemo-fused']['median_s_per_step'] / best('xl'):.2f}x (goal <= 1.25x)")
-    if {"rmt", "armt"} <= set(args.mechanisms):
-        line = f"ARMT / RMT, best of each: time per token {best('armt') / best('rmt'):.2f}x"
-        if args.memory:
-            peak = {m: min(speed[f"{m}-{i}"]["peak_mb"] for i in ("fused", "plain"))
-                    for m in ("rmt", "armt")}
-            line += f", peak memory {peak['armt'] / peak['rmt']:.2f}x"
-        print(line)
-    if {"armt", "titans"} <= set(args.mechanisms):
-        line = f"Titans / ARMT, best of each: time per token {best('titans') / best('armt'):.2f}x"
-        if args.memory:
-            peak = {m: min(speed[f"{m}-{i}"]["peak_mb"] for i in ("fused", "plain"))
-                    for m in ("armt", "titans")}
-            line += f", peak memory {peak['titans'] / peak['armt']:.2f}x"
-        print(line)
+    for new, old in (("armt", "rmt"), ("titans", "armt")):
+        if {new, old} <= set(args.mechanisms):
+            print(ratio_line(speed, new, old, args.memory))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": speed}, f, indent=2)
