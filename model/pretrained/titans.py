@@ -27,19 +27,17 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..backbone import Learned
 from ..neural_memory import NeuralMemoryState
 from ..shapes import MemoryRows, StatedBlock, TensorShape
 from .associative import _hidden, decoder_layers_name
 
 
 def parameters(cfg, base, memory_scale) -> dict:
+    from ..mechanisms.rmt import pretrained_memory_init
     from ..titans import MemoryGate, neural_memory
     o, d = cfg.titans, cfg.d_model
-    if memory_scale is None:
-        memory_scale = float(base.get_input_embeddings().weight.detach().float().std())
-    persistent = (Learned(torch.randn(o.num_persistent, d) * memory_scale)
-                  if o.num_persistent else None)
+    # Eq. 19's tokens at the scale of the pretrained embeddings they sit among (RMT's).
+    persistent = pretrained_memory_init(cfg, base, o.num_persistent, memory_scale)
     return {"layers_name": decoder_layers_name(base), "persistent": persistent,
             "memory": nn.ModuleList(neural_memory(cfg) for _ in range(cfg.n_layer)),
             "memory_out": nn.ModuleList(nn.Linear(o.d_mem, d, bias=False)
