@@ -246,8 +246,14 @@ class NeuralMemory(nn.Module):
             log_eta = (math.log(self.max_momentum) + F.logsigmoid(z[..., 1])).clamp(min=LOG_FLOOR)
         else:                                          # no momentum: S_t = -theta_t g_t
             log_eta = torch.full_like(z[..., 1], LOG_FLOOR)
-        alpha = self.max_forget * torch.sigmoid(z[..., 2])
-        log_keep = torch.log1p(-alpha).clamp(min=LOG_FLOOR)
+        # log(1 - m sigmoid(z)) = log(1 - m + e^-z) - log(1 + e^-z), never formed as
+        # log1p(-alpha): once sigmoid(z) rounds to 1 (z > ~17 in float32) with m = 1 that is
+        # log(0), and its gradient inf * 0 = NaN (measured: NaN after 1000 steps of
+        # associative retrieval, when the forget gate learned to saturate).
+        m = self.max_forget
+        floor = torch.full_like(z[..., 2], math.log1p(-m) if m < 1 else float("-inf"))
+        log_keep = (torch.logaddexp(floor, -z[..., 2]) - F.softplus(-z[..., 2])
+                    ).clamp(min=LOG_FLOOR)
         return theta, log_eta, log_keep
 
     def update(self, weights: list[torch.Tensor], momentum: list[torch.Tensor],

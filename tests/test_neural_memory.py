@@ -160,3 +160,24 @@ def test_at_every_bound_the_clipped_memory_stays_finite_and_the_unclipped_one_do
     within 100 segments (a deep one in the first few)."""
     assert _run_at_the_bounds(depth, 1.0, 300) < 1e3
     assert _run_at_the_bounds(depth, None, 100) == math.inf
+
+
+@pytest.mark.parametrize("max_forget", [1.0, 0.5])
+def test_a_saturated_gate_gives_finite_gradients(max_forget):
+    """The gates at +-40 before their sigmoid (sigmoid rounds to 1 or 0 in float32): the
+    update and its gradient stay finite. With log(1 - alpha) formed as log1p(-alpha) a
+    saturated forget gate at max_forget 1 is log(0), and its gradient NaN (the NaN the
+    associative-retrieval stability run hit at step 1000)."""
+    torch.manual_seed(0)
+    mem = NeuralMemory(D_MODEL, D_MEM, depth=2, chunk_size=4, max_forget=max_forget)
+    x = torch.randn(2, 8, D_MODEL)
+    for bias in (40.0, -40.0):
+        with torch.no_grad():
+            mem.gates.bias.fill_(bias)
+        mem.zero_grad()
+        weights, momentum = NeuralMemoryState.empty(2, 1, mem.shapes).layer(
+            0, mem.initial_weights())
+        new_w, new_s, _ = mem.update(weights, momentum, x)
+        mem.retrieve(new_w, x).square().sum().backward()
+        assert all(torch.isfinite(t).all() for t in new_w + new_s)
+        assert all(torch.isfinite(p.grad).all() for p in mem.parameters()), bias
