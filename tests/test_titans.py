@@ -5,6 +5,8 @@ update itself is pinned against the equations in tests/test_neural_memory.py."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from bptt_reach import CUTS, random_segments, segments_reached
@@ -164,21 +166,20 @@ def test_a_bf16_model_keeps_a_float32_state_close_to_the_float32_model():
 
 
 @pytest.mark.slow
-def test_titans_trains_under_zero3_bf16_resumes_evaluates_and_generates(tmp_path, monkeypatch,
-                                                                        capsys):
+def test_titans_under_zero3_bf16_resumes_bit_for_bit_evaluates_and_generates(tmp_path,
+                                                                            monkeypatch, capsys):
     """`memtrain train` in this process under ZeRO-3 and bf16 (the memory's parameters
     gathered where they are called, its state float32), BPTT depth 1 with segment
-    checkpointing; resumed from its step-3 checkpoint with the memory it saved; then
+    checkpointing, 5 steps saving at step 3; a copy of it rewound to that checkpoint (the
+    run stopped there) continues with the memory it saved to the same losses; then
     `memtrain eval` and `memtrain generate` from the exported model."""
-    import json
-
-    from train_helpers import tiny_config, train_in_process
+    from train_helpers import copy_run, rewind_run, step_losses, tiny_config, train_in_process
 
     from evaluation.cli import main_eval
     from evaluation.generate_cli import main_generate
     from train.checkpoint import find_latest, load_rank_payload
     from train.config import load_config
-    config = tiny_config(tmp_path, "titans", max_steps=3, save_every=3,
+    config = tiny_config(tmp_path, "straight", max_steps=5, save_every=3,
                          model={"mechanism": "titans", "n_layer": 1, "d_model": 16,
                                 "d_inner": 32, "tgt_len": 4, "mem_len": 0, "pre_lnorm": True,
                                 "titans": {"d_mem": 8, "chunk_size": 2}},
@@ -187,17 +188,20 @@ def test_titans_trains_under_zero3_bf16_resumes_evaluates_and_generates(tmp_path
                          data={"global_batch": 2}, eval={"max_segments": 2},
                          tracking={"enabled": False})
     train_in_process(load_config(config), monkeypatch)
-    run = tmp_path / "runs" / "titans"
-    memory = load_rank_payload(find_latest(run / "checkpoints"), 0)["memory"]
+    straight = tmp_path / "runs" / "straight"
+    stopped_cfg = copy_run(straight, tmp_path, "stopped")
+    stopped = tmp_path / "runs" / "stopped"
+    rewind_run(stopped, 3)
+    memory = load_rank_payload(find_latest(stopped / "checkpoints"), 0)["memory"]
     assert memory["kind"] == "titans" and memory["weights"][0].dtype == torch.float32
-    train_in_process(load_config(config, ["max_steps=5"]), monkeypatch)
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["loss"] for r in records if "loss" in r]
-    assert max(r.get("step") or 0 for r in records) == 5
-    assert all(torch.isfinite(torch.tensor(losses)))
-    assert main_eval(["--run-dir", str(run), "--no-track"]) == 0
+    assert memory["weights"][0].abs().sum() > 0 and not memory["fresh"].any()
+    train_in_process(load_config(stopped_cfg), monkeypatch)
+    losses = step_losses(straight)
+    assert sorted(losses) == [1, 2, 3, 4, 5] and all(map(math.isfinite, losses.values()))
+    assert step_losses(stopped) == losses
+    assert main_eval(["--run-dir", str(straight), "--no-track"]) == 0
     capsys.readouterr()
-    assert main_generate(["--checkpoint", str(run / "model.safetensors"), "--data",
+    assert main_generate(["--checkpoint", str(straight / "model.safetensors"), "--data",
                           str(tmp_path / "data"), "--prompt-ids", "1 2 3 4 5 6",
                           "--max-new-tokens", "6", "--seed", "0"]) == 0
     assert len(capsys.readouterr().out.split()) >= 6
