@@ -10,9 +10,10 @@ memory's depth. With l2-normalised keys (|k| = 1) one inner step of the linear m
 Eq. 12 multiplies the error along k by 1 - 2 theta: theta <= 1 keeps it in [-1, 1), so an
 update never grows the error it corrects; eta < 1 makes the surprise S a decaying sum, not
 a growing one; a deeper MLP multiplies the gradient by every matrix's norm, and the paper
-measures depths 1 to 4 (§5.5, Fig. 7). Within those bounds the memory still overflows when
-the gates saturate unless each token's gradient is clipped (`max_grad_norm`, not in the
-paper): tests/test_neural_memory.py runs every bound at once with and without the clip.
+measures deep memories of 1 to 4 layers (§5.5). Within those bounds the memory still
+overflows when the gates saturate unless each token's gradient is clipped (`max_grad_norm`,
+not in the paper): tests/test_neural_memory.py runs every bound at once with and without
+the clip.
 """
 
 from __future__ import annotations
