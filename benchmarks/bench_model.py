@@ -24,15 +24,19 @@ from common import add_model_size_args, interleaved, status_kib, timed_step
 
 from model import ModelConfig, build_model
 
-MECHANISMS = ("xl", "lamemo", "rmt", "armt")
+MECHANISMS = ("xl", "lamemo", "rmt", "armt", "titans")
+# Memory without an XL cache: memory tokens, or (Titans) a neural memory per layer.
+NO_CACHE = ("rmt", "armt", "titans")
 
 
 def make_config(args, mechanism: str, impl: str) -> ModelConfig:
+    # RMT / ARMT / Titans alone: no XL cache beside their memory.
+    mem_len = 0 if mechanism in NO_CACHE else args.mem_len
     return ModelConfig(mechanism=mechanism, vocab_size=args.vocab, n_layer=args.n_layer,
                        d_model=args.d_model, n_head=args.n_head, d_inner=args.d_inner,
-                       dropout=args.dropout, tgt_len=args.seg_len, mem_len=args.mem_len,
+                       dropout=args.dropout, tgt_len=args.seg_len, mem_len=mem_len,
                        attn_impl=impl, rmt={"num_mem_tokens": args.num_mem_tokens},
-                       armt={"d_key": args.d_key})
+                       armt={"d_key": args.d_key}, titans={"d_mem": args.d_mem})
 
 
 class Runner:
@@ -41,8 +45,6 @@ class Runner:
     def __init__(self, args, mechanism: str, impl: str, seed: int = 0):
         torch.manual_seed(seed)
         cfg = make_config(args, mechanism, impl)
-        if mechanism in ("rmt", "armt"):
-            cfg.mem_len = 0  # RMT / ARMT alone: memory tokens, no XL cache
         self.model = build_model(cfg).train()
         self.args = args
         self.data = torch.randint(0, args.vocab, (args.batch, 64 * (args.seg_len + 1)))
@@ -108,6 +110,18 @@ def memory_child(args) -> None:
     print((status_kib("VmHWM") - before) / 1024)
 
 
+def ratio_line(speed: dict, new: str, old: str, memory: bool) -> str:
+    """'NEW / OLD, best of each: time per token ...x[, peak memory ...x]'."""
+    def best(m, key):
+        return min(speed[f"{m}-{i}"][key] for i in ("fused", "plain"))
+    names = {"armt": "ARMT", "rmt": "RMT", "titans": "Titans"}
+    time = best(new, "median_s_per_step") / best(old, "median_s_per_step")
+    line = f"{names[new]} / {names[old]}, best of each: time per token {time:.2f}x"
+    if memory:
+        line += f", peak memory {best(new, 'peak_mb') / best(old, 'peak_mb'):.2f}x"
+    return line
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -116,6 +130,8 @@ def main(argv=None) -> int:
     p.add_argument("--mem-len", type=int, default=128)
     p.add_argument("--num-mem-tokens", type=int, default=16)
     p.add_argument("--d-key", type=int, default=64, help="ARMT's key width (model.armt.d_key)")
+    p.add_argument("--d-mem", type=int, default=64,
+                   help="Titans' memory width (model.titans.d_mem)")
     p.add_argument("--mechanisms", default=",".join(MECHANISMS),
                    help="which to run, comma-separated (xl is the ratios' base: always run)")
     p.add_argument("--batch", type=int, default=8)
@@ -164,13 +180,9 @@ def main(argv=None) -> int:
     if "lamemo" in args.mechanisms:
         print(f"LaMemo (fused) time per token / best XL: "
               f"{speed['lamemo-fused']['median_s_per_step'] / best('xl'):.2f}x (goal <= 1.25x)")
-    if {"rmt", "armt"} <= set(args.mechanisms):
-        line = f"ARMT / RMT, best of each: time per token {best('armt') / best('rmt'):.2f}x"
-        if args.memory:
-            peak = {m: min(speed[f"{m}-{i}"]["peak_mb"] for i in ("fused", "plain"))
-                    for m in ("rmt", "armt")}
-            line += f", peak memory {peak['armt'] / peak['rmt']:.2f}x"
-        print(line)
+    for new, old in (("armt", "rmt"), ("titans", "armt")):
+        if {new, old} <= set(args.mechanisms):
+            print(ratio_line(speed, new, old, args.memory))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": speed}, f, indent=2)

@@ -1,4 +1,4 @@
-"""model/: the memory mechanisms (Transformer-XL, LaMemo, RMT, ARMT; one module each in
+"""model/: the memory mechanisms (Transformer-XL, LaMemo, RMT, ARMT, Titans; one module each in
 model/mechanisms/, one registry) on one relative-position decoder backbone, or around a
 pretrained one (model/pretrained/).
 

@@ -15,13 +15,12 @@ import copy
 
 import pytest
 import torch
+from bptt_reach import CUTS, random_segments, segments_reached
 from test_associative_core import ref_retrieve, ref_write
 
-from data_pipeline.streams import SegmentBatch
 from model import AssociativeMemory, ModelConfig, build_model
 from model.backbone import Lengths
 from model.positional import sinusoid
-from train.bptt import run_window
 
 V, L, M = 19, 4, 3
 
@@ -118,40 +117,15 @@ def test_at_initialisation_the_memory_is_inert():
     assert first.state.A.abs().sum() == 0 and first.state.z.sum() > 0
 
 
-def segments(n: int, seed: int) -> list[SegmentBatch]:
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, V, (2, n * L + 1), generator=g)
-    return [SegmentBatch(tokens=tokens[:, s * L:(s + 1) * L + 1],
-                         reset=torch.zeros(2, dtype=torch.bool), loss_mask=None, epoch=0, step=s)
-            for s in range(n)]
-
-
 @pytest.mark.parametrize("checkpoint_segments", [False, True])
-@pytest.mark.parametrize(("detach_before", "reached"), [
-    (frozenset(), [True, True, True, True]),
-    (frozenset({2}), [False, False, True, True]),
-    (frozenset({3}), [False, False, False, True]),
-])
+@pytest.mark.parametrize(("detach_before", "reached"), CUTS)
 def test_gradient_reaches_exactly_the_segments_after_the_last_cut(detach_before, reached,
                                                                   checkpoint_segments):
     # Only the last of 4 segments has a loss; it reaches earlier segments only through A
-    # and z (no read block, no carried tokens). The trainer's BPTT depth k is such a cut
-    # k segments back (train/bptt.py).
+    # and z (no read block, no carried tokens).
     model = armt_model(dtype=torch.float32).train()
-    probes = {}
-
-    def probe(_module, args, out):
-        # One zero leaf per segment, added to its embeddings; keyed by where the segment's
-        # tokens live, so a segment checkpoint's recompute adds the same leaf again.
-        leaf = probes.setdefault(args[0].data_ptr(), torch.zeros((), requires_grad=True))
-        return out + leaf
-    model.embedding.register_forward_hook(probe)
-    result = run_window(model, None, segments(4, seed=4), torch.device("cpu"),
-                        counted=[False, False, False, True], detach_before=detach_before,
-                        checkpoint_segments=checkpoint_segments)
-    result.loss.backward()
-    assert len(probes) == 4
-    assert [p.grad is not None and p.grad.abs().item() > 0 for p in probes.values()] == reached
+    assert segments_reached(model, random_segments(4, V, L, seed=4), detach_before,
+                            checkpoint_segments) == reached
 
 
 def test_bf16_model_keeps_a_float32_state_and_tracks_float32_over_sixteen_segments():

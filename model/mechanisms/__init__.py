@@ -6,10 +6,12 @@
     rmt.py       Recurrent Memory Transformer (Bulatov et al. 2022): memory tokens
     armt.py      Associative RMT (Rodkin et al. 2024): memory tokens writing associative
                  matrices
+    titans.py    Titans (Behrouz et al. 2025): a neural memory per layer, an MLP trained
+                 inside the forward pass, read as a context (MAC)
 
 Each module holds its options section and validation, its traits, and how it runs on the
 native stack and around a pretrained decoder; the numerics of the native forwards live in
-the modules they name (model/transformer_xl.py, lamemo.py, rmt.py, armt.py). A new
+the modules they name (model/transformer_xl.py, lamemo.py, rmt.py, armt.py, titans.py). A new
 mechanism is one module and one line in `registry._builtins` (docs/mechanisms.md).
 """
 

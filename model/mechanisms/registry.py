@@ -1,8 +1,9 @@
 """The mechanism registry: `ModelConfig.mechanism` -> the `Mechanism` that runs it.
 
-A memory mechanism is one module of this package (xl.py, lamemo.py, rmt.py, armt.py) with a
-subclass of `Mechanism`, registered by name. It states everything the rest of the house
-asks of it, so that nothing outside the mechanism modules branches on a mechanism's name:
+A memory mechanism is one module of this package (xl.py, lamemo.py, rmt.py, armt.py,
+titans.py) with a subclass of `Mechanism`, registered by name. It states everything the
+rest of the house asks of it, so that nothing outside the mechanism modules branches on a
+mechanism's name:
 
     options      its config section (`model.<section>`, a dataclass) and its validation
     state        its `MemoryState` subclass (model/memory.py) and its initial state
@@ -31,7 +32,7 @@ from ..typed import ConfigError
 _REGISTRY: dict[str, Mechanism] = {}
 # The built-in mechanisms' modules, in the order their config sections are written: a new
 # mechanism of this package is one module and one entry here.
-BUILTIN = ("xl", "lamemo", "rmt", "armt")
+BUILTIN = ("xl", "lamemo", "rmt", "armt", "titans")
 
 
 class Mechanism:

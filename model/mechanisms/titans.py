@@ -1,0 +1,146 @@
+"""Titans (Behrouz, Zhong, Mirrokni 2025, arXiv 2501.00663) as a registered mechanism: its
+options (`model.titans`) and their bounds, its traits, and its segment around a pretrained
+decoder. The neural memory is model/neural_memory.py, the native forward (memory as a
+context, §4.1) model/titans.py, the hooks around a pretrained model's layers
+model/pretrained/titans.py. docs/titans.md has the equations and the choices made.
+
+The bounds are those of the failures users of other implementations report (NaN after a
+few or a few thousand steps): the inner learning rate theta_t, the momentum eta_t and the
+memory's depth. With l2-normalised keys (|k| = 1) one inner step of the linear memory on
+Eq. 12 multiplies the error along k by 1 - 2 theta: theta <= 1 keeps it in [-1, 1), so an
+update never grows the error it corrects; eta < 1 makes the surprise S a decaying sum, not
+a growing one; a deeper MLP multiplies the gradient by every matrix's norm, and the paper
+measures deep memories of 1 to 4 layers (§5.5). Within those bounds the memory still
+overflows when the gates saturate unless each token's gradient is clipped (`max_grad_norm`,
+not in the paper): tests/test_neural_memory.py runs every bound at once with and without
+the clip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..neural_memory import NeuralMemoryState
+from ..typed import ConfigError
+from .registry import Mechanism, register
+
+VARIANTS = ("mac", "mag", "mal")
+MAX_DEPTH = 4
+
+
+@dataclass
+class TitansOptions:
+    """Titans' neural memory (§3) and its memory-as-a-context architecture (§4.1)."""
+
+    # "mac": memory as a context (§4.1); "mag": as a gate (§4.2); "mal": as a layer (§4.3).
+    # MAG and MAL on the native stack only.
+    variant: str = "mac"
+    # Width of q, k, v and of the memory's input and output (d_in of M).
+    d_mem: int = 32
+    # L_M, the MLP's number of matrices (1: the linear memory M(k) = k W; §3.1, §5.5).
+    memory_depth: int = 2
+    # Width of the MLP's hidden layers; null: 2 * d_mem.
+    memory_hidden: int | None = None
+    # b, the chunk of the parallel update (§3.2): gradients inside a chunk are taken at the
+    # weights of its start. 1: the exact token recurrence (one chunk per token).
+    chunk_size: int = 16
+    # N_p, the persistent memory tokens (Eq. 19), per layer (model/titans.py).
+    num_persistent: int = 4
+    # Bounds of the data-dependent gates: theta_t in (0, max_lr], eta_t in (0, max_momentum],
+    # alpha_t in (0, max_forget] (each the bound times a sigmoid).
+    max_lr: float = 0.5
+    max_momentum: float = 0.9
+    max_forget: float = 1.0
+    # Each token's gradient of each memory matrix clipped to this Frobenius norm (not in
+    # the paper; without it the memory overflows at the gates' bounds, model/neural_memory.py).
+    max_grad_norm: float = 1.0
+
+
+@register
+class Titans(Mechanism):
+    name = "titans"
+    section = "titans"
+    options = TitansOptions
+    state = NeuralMemoryState
+    same_length = False
+    # No memory-token rows: what crosses the boundary is the MLP's weights. Not measured on
+    # the smoke stream yet (it runs memory-token mechanisms on windows of 2 and the others
+    # with an XL cache, which Titans does not keep).
+    in_smoke = False
+    analyses = ()
+    # M_0 ~ N(0, 1/d_in) and the zero gate of Eq. 25 (model/neural_memory.py, titans.py);
+    # the XL init's N(0, 0.02) would make a deep memory's reads vanish.
+    own_init = ("memory.", "memory_gate.", "persistent")
+    identity_fields = ("variant",)
+    pretrained = True
+    # Around a pretrained decoder: the persistent rows, then [h_i x_i] pairs sharing a
+    # position (model/pretrained/titans.py), so a segment uses P + L positions.
+    memory_blocks = 1
+
+    def num_mem_tokens(self, cfg) -> int:
+        return cfg.titans.num_persistent
+
+    def warmup_segments(self, cfg, mem_len, tgt_len) -> int:
+        return 1    # the memory holds something once one segment has been written
+
+    def validate(self, cfg) -> None:
+        o = cfg.titans
+        if o.variant not in VARIANTS:
+            raise ConfigError("model.titans.variant", f"unknown {o.variant!r}; choose one "
+                              f"of {', '.join(VARIANTS)}")
+        if o.variant != "mac" and cfg.backbone != "native":
+            raise ConfigError("model.titans.variant", f"{o.variant!r} runs on the native "
+                              "stack only; around a pretrained decoder: 'mac'")
+        if o.d_mem <= 0:
+            raise ConfigError("model.titans.d_mem", f"must be > 0, got {o.d_mem}")
+        if not 1 <= o.memory_depth <= MAX_DEPTH:
+            raise ConfigError("model.titans.memory_depth", f"must be in [1, {MAX_DEPTH}] (the "
+                              f"depths the paper measures, §5.5), got {o.memory_depth}")
+        if o.memory_hidden is not None and o.memory_hidden <= 0:
+            raise ConfigError("model.titans.memory_hidden", f"must be > 0 or null, got "
+                              f"{o.memory_hidden}")
+        if o.chunk_size < 1:
+            raise ConfigError("model.titans.chunk_size", f"must be >= 1, got {o.chunk_size}")
+        if o.num_persistent < 0:
+            raise ConfigError("model.titans.num_persistent", f"must be >= 0, got "
+                              f"{o.num_persistent}")
+        if not 0 < o.max_lr <= 1:
+            raise ConfigError("model.titans.max_lr", f"must be in (0, 1] (with unit keys a "
+                              f"step of theta > 1 overshoots the value it writes), got "
+                              f"{o.max_lr}")
+        if not 0 <= o.max_momentum < 1:
+            raise ConfigError("model.titans.max_momentum", f"must be in [0, 1) (eta = 1 "
+                              f"makes the surprise grow without bound), got {o.max_momentum}")
+        if not (0 < o.max_grad_norm < float("inf")):
+            raise ConfigError("model.titans.max_grad_norm", f"must be a finite number > 0 "
+                              f"(the clip that keeps the memory finite), got {o.max_grad_norm}")
+        if not 0 <= o.max_forget <= 1:
+            raise ConfigError("model.titans.max_forget", f"must be in [0, 1], got "
+                              f"{o.max_forget}")
+
+    def check_lengths(self, cfg, mem_len, clamp_len, same_length, section) -> None:
+        if mem_len:
+            raise ConfigError(f"{section}.mem_len", f"must be 0, got {mem_len}: Titans' "
+                              "attention sees its segment, the persistent rows and the "
+                              "memory's reads (MAC, §4.1), no XL cache")
+
+    def core_class(self, cfg) -> type:
+        from ..titans import TitansCore
+        return TitansCore
+
+    # -- around a pretrained decoder -------------------------------------------------------
+    def pretrained_parameters(self, cfg, base, memory_scale):
+        from ..pretrained.titans import parameters
+        return parameters(cfg, base, memory_scale)
+
+    def pretrained_initial_state(self, lm, batch_size, device=None):
+        from ..titans import initial_state
+        return initial_state(lm.memory, batch_size, device)
+
+    def pretrained_decode(self, lm, emb, state):
+        from ..pretrained.titans import decode
+        return decode(lm, emb, state)
+
+    def pretrained_rows(self, cfg, rows, trained_params):
+        from ..pretrained.titans import memory_rows
+        return memory_rows(cfg, rows, trained_params)

@@ -1,0 +1,279 @@
+"""The neural long-term memory of Titans (Behrouz, Zhong, Mirrokni 2025, arXiv 2501.00663,
+§3): an MLP whose weights are the memory, trained inside the forward pass by gradient
+descent with momentum and forgetting on an associative loss.
+
+Per token t (the paper's equations; §3.1):
+
+    k_t = x_t W_K,  v_t = x_t W_V                                  (Eq. 11)
+    l(M_{t-1}; x_t) = || M_{t-1}(k_t) - v_t ||_2^2                  (Eq. 12)
+    S_t = eta_t S_{t-1} - theta_t grad l(M_{t-1}; x_t)              (Eq. 10, 14: surprise)
+    M_t = (1 - alpha_t) M_{t-1} + S_t                               (Eq. 13: forgetting)
+    y_t = M*(q_t),  q_t = x_t W_Q                                   (Eq. 15: retrieval)
+
+theta_t (inner learning rate), eta_t (momentum) and alpha_t (forgetting) are data-dependent:
+each a sigmoid of a linear function of x_t, scaled by its bound (`max_lr`, `max_momentum`,
+`max_forget`; model/mechanisms/titans.py validates them). q_t and k_t are l2-normalised
+(§4.4). M is an MLP of `depth` >= 1 matrices without biases, SiLU between them (§3.1 "deep
+memory"); depth 1 is the linear memory M(k) = k W.
+
+The chunked parallel form (§3.2, Eq. 16-18): inside a chunk of b tokens every gradient is
+taken at the weights of the chunk's start, M_{t'} with t' = t - mod(t, b), so the b
+gradients are independent and the linear recurrences for S and M collapse to weighted sums.
+With E_t = prod_{j<=t} eta_j and A_t = prod_{j<=t} (1 - alpha_j) inside the chunk,
+
+    S_t   = E_t S_0 - sum_{i<=t} theta_i (E_t / E_i) g_i
+    M_end = A_end M_0 + sum_t (A_end / A_t) S_t
+          = A_end M_0 + (sum_t (A_end / A_t) E_t) S_0 - sum_i w_i g_i,
+    w_i   = theta_i sum_{t>=i} (A_end / A_t)(E_t / E_i)
+
+and a gradient g_i of one matrix is an outer product a_i^T delta_i (the matrix's input and
+the back-propagated error at token i), so sum_i w_i g_i = (w * a)^T delta is one matmul per
+matrix: no per-token weights or gradients are materialised (the paper's Eq. 17 is this for
+the linear memory). The ratios are formed in log space, each an exp of a sum of log
+factors <= 0, so they never overflow. With b = 1 this is exactly the token recurrence
+above; tests/test_neural_memory.py checks both against a token-by-token float64 loop.
+
+Each token's gradient of each matrix is clipped to Frobenius norm `max_grad_norm` (its
+factor a_t^T delta_t has norm |a_t| |delta_t|, so the clip scales the token's coefficient
+w_t): the paper does not clip, and without it the memory overflows within a few segments
+at the gates' bounds (depth >= 2: in the first segment; tests/test_neural_memory.py).
+
+A sequence shorter than a chunk (or the tail of one) is a last, shorter chunk: it updates the
+memory like any other.
+
+Dtypes: the weights and the momentum are float32 whatever the model's dtype (the inner
+update is a small difference of large sums, as ARMT's delta rule; model/associative.py), or
+float64 if that is what comes in; the projections run in the module's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .backbone import Learned
+from .memory import MemoryState, _register, _zero_rows
+
+LOG_FLOOR = -60.0   # log of a decay factor below exp(-60) ~ 1e-26 is that: gone
+
+
+@_register
+@dataclass
+class NeuralMemoryState(MemoryState):
+    """Titans state: per memory matrix i the per-row weights M [B, n_layer, d_in_i, d_out_i]
+    and momentum S of the same shape (float32), and `fresh` [B] (True: the row's document
+    starts now; its next segment reads the learned initial weights M_0 and S = 0).
+
+    Not detached by the update: gradients flow through M and S into earlier segments until
+    the caller detaches the state (the BPTT depth, as for RMT and ARMT)."""
+
+    kind: ClassVar[str] = "titans"
+    fp32_fields: ClassVar[tuple[str, ...]] = ("weights", "momentum")
+    weights: list[torch.Tensor] = field(default_factory=list)
+    momentum: list[torch.Tensor] = field(default_factory=list)
+    fresh: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+
+    @property
+    def length(self) -> torch.Tensor:  # rows, for the generic batch_size / select_rows
+        return self.fresh
+
+    @classmethod
+    def empty(cls, batch: int, n_layer: int, shapes: list[tuple[int, int]],
+              device=None) -> NeuralMemoryState:
+        zeros = [torch.zeros(batch, n_layer, *s, device=device) for s in shapes]
+        return cls(weights=zeros, momentum=[z.clone() for z in zeros],
+                   fresh=torch.ones(batch, dtype=torch.bool, device=device))
+
+    def layer(self, l: int, init: list[torch.Tensor]) -> tuple[list, list]:
+        """(weights, momentum) of layer l, [B, d_in, d_out] each, the learned initial
+        weights `init` (and S = 0) in the fresh rows."""
+        f = self.fresh[:, None, None]
+        weights = [torch.where(f, w0.to(w.dtype)[None], w[:, l])
+                   for w0, w in zip(init, self.weights, strict=True)]
+        momentum = [torch.where(f, torch.zeros((), dtype=s.dtype, device=s.device), s[:, l])
+                    for s in self.momentum]
+        return weights, momentum
+
+    def written(self, weights: list[list[torch.Tensor]], momentum: list[list[torch.Tensor]]
+                ) -> NeuralMemoryState:
+        """The state after a segment from each layer's (weights, momentum) lists."""
+        def stack(per_layer):
+            return [torch.stack(ws, dim=1) for ws in zip(*per_layer, strict=True)]
+        return NeuralMemoryState(weights=stack(weights), momentum=stack(momentum),
+                                 fresh=torch.zeros_like(self.fresh))
+
+    def reset_rows(self, mask: torch.Tensor) -> NeuralMemoryState:
+        # Zeroed with torch.where (a NaN/Inf in a reset row is replaced, not multiplied), and
+        # flagged fresh: the next segment reads M_0 there.
+        return NeuralMemoryState(weights=[_zero_rows(w, mask) for w in self.weights],
+                                 momentum=[_zero_rows(s, mask) for s in self.momentum],
+                                 fresh=self.fresh | mask.to(self.fresh.device))
+
+
+# -- the memory MLP and its per-token gradients --------------------------------------------
+def mlp(weights: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """M(x): x [B, n, d_in] through the per-row matrices [B, d_in_i, d_out_i], SiLU between."""
+    for i, w in enumerate(weights):
+        x = torch.bmm(x, w)
+        if i < len(weights) - 1:
+            x = F.silu(x)
+    return x
+
+
+def _silu_grad(z: torch.Tensor) -> torch.Tensor:
+    s = torch.sigmoid(z)
+    return s * (1 + z * (1 - s))
+
+
+def surprise_factors(weights: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor
+                     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """The gradient of Eq. 12 at `weights`, for every token at once, as factors: for matrix
+    i, (a [B, n, d_in_i], delta [B, n, d_out_i]) with grad_i(token t) = a_t^T delta_t (the
+    backward of the MLP written out, so the outer training differentiates through it).
+    Also returns the per-token loss [B, n]."""
+    inputs, pre, x = [], [], k
+    for i, w in enumerate(weights):
+        inputs.append(x)
+        z = torch.bmm(x, w)
+        pre.append(z)
+        x = F.silu(z) if i < len(weights) - 1 else z
+    err = x - v
+    delta = 2 * err                                   # d ||M(k) - v||^2 / d M(k)
+    factors = [None] * len(weights)
+    for i in range(len(weights) - 1, -1, -1):
+        factors[i] = (inputs[i], delta)
+        if i:
+            delta = torch.bmm(delta, weights[i].transpose(1, 2)) * _silu_grad(pre[i - 1])
+    return factors, err.square().sum(-1)
+
+
+def chunk_weights(theta: torch.Tensor, log_eta: torch.Tensor, log_keep: torch.Tensor):
+    """The chunk's coefficients (module docstring), all [B, b] or [B]:
+    w_S (of g_i in S_end), w_M (of g_i in M_end), E_end (of S_0 in S_end), c_S0 (of S_0 in
+    M_end), A_end (of M_0 in M_end). log_eta = log eta_t, log_keep = log(1 - alpha_t)."""
+    le, la = log_eta.cumsum(-1), log_keep.cumsum(-1)                 # log E_t, log A_t
+    b = le.shape[-1]
+    lower = torch.ones(b, b, dtype=torch.bool, device=le.device).tril()   # [t, i]: i <= t
+    # E_t / E_i for i <= t (0 above the diagonal), [B, t, i]
+    decay_s = torch.exp((le[:, :, None] - le[:, None, :]).masked_fill(~lower, float("-inf")))
+    keep_to_end = torch.exp(la[:, -1:] - la)                          # A_end / A_t, [B, t]
+    w_s = theta * decay_s[:, -1]                                      # theta_i E_end / E_i
+    w_m = theta * torch.einsum("bt,bti->bi", keep_to_end, decay_s)
+    c_s0 = (keep_to_end * le.exp()).sum(-1)
+    return w_s, w_m, le[:, -1].exp(), c_s0, la[:, -1].exp()
+
+
+def update_chunk(weights: list[torch.Tensor], momentum: list[torch.Tensor], k, v, theta,
+                 log_eta, log_keep, max_grad_norm: float | None = None
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(M_end, S_end) after one chunk of the tokens k, v [B, b, d] (Eq. 13-14, chunked
+    §3.2): every gradient at `weights`, the chunk's start. `max_grad_norm`: each token's
+    gradient of each matrix scaled to at most that Frobenius norm (|a_t^T delta_t| =
+    |a_t| |delta_t|, so the clip is a factor on the token's coefficient)."""
+    factors, _ = surprise_factors(weights, k, v)
+    w_s, w_m, e_end, c_s0, a_end = chunk_weights(theta, log_eta, log_keep)
+    new_w, new_s = [], []
+    for w0, s0, (a, delta) in zip(weights, momentum, factors, strict=True):
+        at = a.transpose(1, 2)
+        clip = 1.0
+        if max_grad_norm is not None:
+            norm = a.norm(dim=-1) * delta.norm(dim=-1)                # [B, b]
+            clip = (max_grad_norm / norm.clamp(min=1e-12)).clamp(max=1.0)
+        g_s = torch.bmm(at * (w_s * clip)[:, None], delta)            # sum_i w_S,i g_i
+        g_m = torch.bmm(at * (w_m * clip)[:, None], delta)
+        new_s.append(e_end[:, None, None] * s0 - g_s)
+        new_w.append(a_end[:, None, None] * w0 + c_s0[:, None, None] * s0 - g_m)
+    return new_w, new_s
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+class NeuralMemory(nn.Module):
+    """One layer's neural memory: the learned initial weights M_0, the projections W_Q,
+    W_K, W_V (Eq. 11, 15), and the gates of theta, eta, alpha (§3.1), with their bounds."""
+
+    def __init__(self, d_model: int, d_mem: int, depth: int = 2, hidden: int | None = None,
+                 chunk_size: int = 16, max_lr: float = 0.5, max_momentum: float = 0.9,
+                 max_forget: float = 1.0, forget_bias: float = -4.0,
+                 max_grad_norm: float | None = None):
+        super().__init__()
+        if depth < 1:
+            raise ValueError(f"memory depth must be >= 1, got {depth}")
+        hidden = hidden or 2 * d_mem
+        dims = [d_mem] + [hidden] * (depth - 1) + [d_mem]
+        self.shapes = list(zip(dims[:-1], dims[1:], strict=True))
+        # M_0 ~ N(0, 1/d_in): each matrix keeps the scale of its input (unit keys give
+        # outputs of the order of 1 through any depth).
+        self.init = nn.ModuleList(Learned(torch.randn(i, o) / i ** 0.5) for i, o in self.shapes)
+        self.q_proj = nn.Linear(d_model, d_mem, bias=False)
+        self.k_proj = nn.Linear(d_model, d_mem, bias=False)
+        self.v_proj = nn.Linear(d_model, d_mem, bias=False)
+        self.gates = nn.Linear(d_model, 3)             # theta, eta, alpha (pre-sigmoid)
+        with torch.no_grad():
+            self.gates.bias.copy_(torch.tensor([0.0, 0.0, forget_bias]))
+        self.chunk_size = chunk_size
+        self.max_lr, self.max_momentum, self.max_forget = max_lr, max_momentum, max_forget
+        self.max_grad_norm = max_grad_norm
+
+    def initial_weights(self) -> list[torch.Tensor]:
+        return [w() for w in self.init]
+
+    def query(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """q = normalise(x W_Q) (Eq. 15, §4.4), in the memory's dtype."""
+        return F.normalize(self.q_proj(x).to(dtype), dim=-1)
+
+    def retrieve(self, weights: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """M*(q) for the rows of x [B, n, d_model] (Eq. 15; no update): [B, n, d_mem] in
+        float32 (float64 if the weights are)."""
+        ct = _compute_dtype(weights[0], x)
+        return mlp([w.to(ct) for w in weights], self.query(x, ct))
+
+    def gate_values(self, x: torch.Tensor, ct: torch.dtype):
+        """(theta, log eta, log(1 - alpha)), each [B, n], from x (§3.1, data-dependent)."""
+        z = self.gates(x).to(ct)
+        theta = self.max_lr * torch.sigmoid(z[..., 0])
+        if self.max_momentum > 0:
+            log_eta = (math.log(self.max_momentum) + F.logsigmoid(z[..., 1])).clamp(min=LOG_FLOOR)
+        else:                                          # no momentum: S_t = -theta_t g_t
+            log_eta = torch.full_like(z[..., 1], LOG_FLOOR)
+        # log(1 - m sigmoid(z)) = log(1 - m + e^-z) - log(1 + e^-z), never formed as
+        # log1p(-alpha): once sigmoid(z) rounds to 1 (z > ~17 in float32) with m = 1 that is
+        # log(0), and its gradient inf * 0 = NaN (measured: NaN after 1000 steps of
+        # associative retrieval, when the forget gate learned to saturate).
+        m = self.max_forget
+        floor = torch.full_like(z[..., 2], math.log1p(-m) if m < 1 else float("-inf"))
+        log_keep = (torch.logaddexp(floor, -z[..., 2]) - F.softplus(-z[..., 2])
+                    ).clamp(min=LOG_FLOOR)
+        return theta, log_eta, log_keep
+
+    def update(self, weights: list[torch.Tensor], momentum: list[torch.Tensor],
+               x: torch.Tensor, read: torch.Tensor | None = None):
+        """Write the tokens x [B, n, d_model] into the memory, chunk by chunk (Eq. 11-14 in
+        the chunked form of §3.2): (weights, momentum) after them, and, for the rows of
+        `read` [B, n, d_model] if given, M*(q) with the weights of each row's chunk start
+        (what each token may see of the segment: the chunks before its own)."""
+        ct = _compute_dtype(weights[0], x)
+        weights = [w.to(ct) for w in weights]
+        momentum = [s.to(ct) for s in momentum]
+        k = F.normalize(self.k_proj(x).to(ct), dim=-1)
+        v = self.v_proj(x).to(ct)
+        theta, log_eta, log_keep = self.gate_values(x, ct)
+        q = self.query(read, ct) if read is not None else None
+        reads = []
+        for start in range(0, x.shape[1], self.chunk_size):
+            c = slice(start, start + self.chunk_size)
+            if q is not None:
+                reads.append(mlp(weights, q[:, c]))
+            weights, momentum = update_chunk(weights, momentum, k[:, c], v[:, c], theta[:, c],
+                                             log_eta[:, c], log_keep[:, c], self.max_grad_norm)
+        return weights, momentum, (torch.cat(reads, dim=1) if reads else None)
