@@ -166,19 +166,20 @@ def test_a_bf16_model_keeps_a_float32_state_close_to_the_float32_model():
 
 
 @pytest.mark.slow
-def test_titans_under_zero3_bf16_resumes_bit_for_bit_evaluates_and_generates(tmp_path,
-                                                                            monkeypatch, capsys):
-    """`memtrain train` in this process under ZeRO-3 and bf16 (the memory's parameters
+def test_titans_under_zero3_bf16_resumes_bit_for_bit_evaluates_and_generates(tmp_path, capsys):
+    """`memtrain train` under ZeRO-3 and bf16 (the memory's parameters
     gathered where they are called, its state float32), BPTT depth 1 with segment
     checkpointing, 5 steps saving at step 3; a copy of it rewound to that checkpoint (the
     run stopped there) continues with the memory it saved to the same losses; then
-    `memtrain eval` and `memtrain generate` from the exported model."""
-    from train_helpers import copy_run, rewind_run, step_losses, tiny_config, train_in_process
+    `memtrain eval` and `memtrain generate` from the exported model. The trainings run as
+    processes of their own: ZeRO-3 in this process left torch patched (DeepSpeed's
+    partitioned linear), and the memory planner's measurements later in the same worker
+    counted other saved tensors."""
+    from train_helpers import copy_run, rewind_run, run_train, step_losses, tiny_config
 
     from evaluation.cli import main_eval
     from evaluation.generate_cli import main_generate
     from train.checkpoint import find_latest, load_rank_payload
-    from train.config import load_config
     config = tiny_config(tmp_path, "straight", max_steps=5, save_every=3,
                          model={"mechanism": "titans", "n_layer": 1, "d_model": 16,
                                 "d_inner": 32, "tgt_len": 4, "mem_len": 0, "pre_lnorm": True,
@@ -187,7 +188,7 @@ def test_titans_under_zero3_bf16_resumes_bit_for_bit_evaluates_and_generates(tmp
                          deepspeed={"zero_stage": 3, "precision": "bf16"},
                          data={"global_batch": 2}, eval={"max_segments": 2},
                          tracking={"enabled": False})
-    train_in_process(load_config(config), monkeypatch)
+    run_train(config, launcher="single")
     straight = tmp_path / "runs" / "straight"
     stopped_cfg = copy_run(straight, tmp_path, "stopped")
     stopped = tmp_path / "runs" / "stopped"
@@ -195,7 +196,7 @@ def test_titans_under_zero3_bf16_resumes_bit_for_bit_evaluates_and_generates(tmp
     memory = load_rank_payload(find_latest(stopped / "checkpoints"), 0)["memory"]
     assert memory["kind"] == "titans" and memory["weights"][0].dtype == torch.float32
     assert memory["weights"][0].abs().sum() > 0 and not memory["fresh"].any()
-    train_in_process(load_config(stopped_cfg), monkeypatch)
+    run_train(stopped_cfg, launcher="single")
     losses = step_losses(straight)
     assert sorted(losses) == [1, 2, 3, 4, 5] and all(map(math.isfinite, losses.values()))
     assert step_losses(stopped) == losses
