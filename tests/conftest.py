@@ -65,28 +65,8 @@ def zero_run(tmp_path_factory):
 # compiled model, an MLflow server, a SLURM cluster) are built once, on one worker. Daemons
 # take free ports of their own (tests/daemons.py), so two workers' SLURM clusters run side by
 # side; the session's ZeRO runs are shared by a lock in the session's folder (above).
-# Modules with slow tests are handed out first, the heaviest first (longest processing time
-# first: the last module either worker runs is then a short one, and the workers end
-# together). HEAVIEST: the modules with the most test time in a cold suite, most first
-# (measured 2026-11-27, docs/testing.md); test_compile between the two that share the
-# session's ZeRO runs, so that its worker does not wait on the other's training.
-HEAVIEST = ("test_train_resume", "test_compile", "test_train_distributed", "test_bf16_engine",
-            "test_compile_bf16_zero3", "test_cluster")
-
-
-def pytest_configure(config):
-    # pytest-xdist hands out modules by their number of tests, most first, unless told not
-    # to (`loadscopereorder`): that put the 2-minute modules of one or two tests last, each
-    # run alone at the end by one worker while the other waited. Keep the order below.
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
-
-
+# Modules with slow tests are handed out first, so that the workers end together instead of
+# one running the last long module alone.
 def pytest_collection_modifyitems(config, items):
     slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
-
-    def order(item):
-        name = item.module.__name__
-        heavy = HEAVIEST.index(name) if name in HEAVIEST else len(HEAVIEST)
-        return heavy, name not in slow
-    items.sort(key=order)
+    items.sort(key=lambda item: item.module.__name__ not in slow)
