@@ -65,8 +65,8 @@ def zero_run(tmp_path_factory):
 # compiled model, an MLflow server, a SLURM cluster) are built once, on one worker. Daemons
 # take free ports of their own (tests/daemons.py), so two workers' SLURM clusters run side by
 # side; the session's ZeRO runs are shared by a lock in the session's folder (above).
-# Modules with slow tests are handed out first, so that the workers end together instead of
-# one running the last long module alone.
+# Modules with slow tests first: the order of a run on one process. Under pytest-xdist,
+# loadfile hands out modules by their number of tests instead (docs/testing.md, "Workers").
 def pytest_collection_modifyitems(config, items):
     slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.module.__name__ not in slow)
