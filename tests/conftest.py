@@ -26,6 +26,18 @@ def _environment_restored():
         os.environ.update(saved)
 
 
+@pytest.fixture(autouse=True)
+def _torch_linear_restored():
+    """Each test leaves torch.nn.functional.linear as it found it. A ZeRO-3 engine built in
+    the test process replaces it for the rest of the process (DeepSpeed's memory-efficient
+    linear; "This will persist unless manually reset", deepspeed/runtime/zero/
+    partition_parameters.py), and later tests in the same worker measured other saved
+    tensors (seen: the memory planner's measured bytes, the recompute's matmul counts)."""
+    linear = torch.nn.functional.linear
+    yield
+    torch.nn.functional.linear = linear
+
+
 @pytest.fixture(scope="session")
 def zero_run(tmp_path_factory):
     """zero_run(mechanism, stage) -> run directory of a finished 2-rank training run of the
