@@ -23,6 +23,8 @@ from typing import Any
 from .typed import ConfigError, build_dataclass
 
 ATTN_IMPLS = ("fused", "plain")
+# torch.compile backends training may use (model/compiled.py).
+COMPILE_BACKENDS = ("inductor", "aot_eager")
 FINETUNE_MODES = ("full", "frozen", "lora")
 
 
@@ -105,6 +107,12 @@ class ModelConfig:
     # Training compiles the decoder stack with torch.compile (model/compiled.py); evaluation,
     # generation and the saved weights are the same as without it.
     compile: bool = False
+    # Its backend: "inductor" (fused generated kernels: the one to train with); "aot_eager"
+    # (the same graphs, graph breaks and forward/backward split on eager kernels, nothing
+    # built: tells a problem of the graphs from one of Inductor's kernels, as torch's
+    # compile troubleshooting does, and starts in seconds where a cold Inductor build takes
+    # minutes).
+    compile_backend: str = "inductor"
     hf: PretrainedOptions = field(default_factory=PretrainedOptions)
     # The options section of every registered mechanism, by section name (module
     # docstring); `to_dict` writes them as `model.<section>`.
@@ -217,6 +225,9 @@ class ModelConfig:
         if self.attn_impl not in ATTN_IMPLS:
             raise ConfigError("model.attn_impl", f"unknown {self.attn_impl!r}; choose "
                               f"one of {', '.join(ATTN_IMPLS)}")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ConfigError("model.compile_backend", f"unknown {self.compile_backend!r}; "
+                              f"choose one of {', '.join(COMPILE_BACKENDS)}")
         self._validate_adaptive()
 
     def check_lengths(self, mem_len: int, clamp_len: int, same_length: bool,

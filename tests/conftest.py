@@ -46,9 +46,11 @@ def zero_run(tmp_path_factory):
     continue a run must copy it first (train_helpers.copy_run).
 
     Under pytest-xdist the workers of one session share them too: the runs live beside the
-    workers' own temporary folders, and a lock makes one worker train a run while another
-    that needs it waits, then reads it."""
-    from train_helpers import ZERO_RUN_SECTIONS, run_train, tiny_config
+    workers' own temporary folders, and a lock per run makes one worker train it while
+    another that needs the same run waits, then reads it; two workers needing different
+    runs train them side by side (one lock for all made the second worker wait on the
+    first's unrelated trainings)."""
+    from train_helpers import ZERO_RUN_SECTIONS, make_word_corpus, run_train, tiny_config
 
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = tmp_path_factory.getbasetemp().parent / "zero_runs"   # this session's
@@ -59,7 +61,10 @@ def zero_run(tmp_path_factory):
     def run(mechanism: str, stage: int):
         name = f"{mechanism}-z{stage}"
         run_dir, finished = root / "runs" / name, root / f"{name}.finished"
-        with (root / "lock").open("a") as lock:   # also guards the shared corpus's creation
+        with (root / "lock").open("a") as lock:   # the shared corpus, made once
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            make_word_corpus(root / "data")
+        with (root / f"{name}.lock").open("a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not finished.exists():
                 shutil.rmtree(run_dir, ignore_errors=True)   # a worker's unfinished attempt

@@ -158,7 +158,8 @@ def _wait(env, job, timeout=600, on_pending=None):
 def _config(tmp_path, name):
     return tiny_config(tmp_path, name, max_steps=30, deepspeed={"zero_stage": 2},
                        model={"mechanism": "rmt", "mem_len": 4, "rmt": {"num_mem_tokens": 3}},
-                       bptt={"depth": 1}, eval={"max_segments": 4})
+                       bptt={"depth": 1}, eval={"max_segments": 4},
+                       tracking={})   # the requeued job must go on in its MLflow run
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +253,7 @@ def test_memtrain_jobs_lists_ended_and_queued_jobs_with_their_runs(slurm, uninte
 def test_a_sweep_is_one_job_array_with_one_mlflow_run_per_element(slurm, tmp_path):
     from mlflow import MlflowClient
 
-    cfg = tiny_config(tmp_path, "grid", max_steps=4, eval={"max_segments": 2})
+    cfg = tiny_config(tmp_path, "grid", max_steps=4, eval={"max_segments": 2}, tracking={})
     done = subprocess.run([str(BIN / "memtrain"), "submit", "--config", str(cfg),
                            "--gpus-per-node", "0", "--tasks-per-node", "2",
                            "--cpus-per-task", "1", "--time", "15",

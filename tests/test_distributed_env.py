@@ -13,6 +13,7 @@ from train.distributed import (
     clear_stale_build_locks,
     first_slurm_host,
     resolve_env,
+    use_environments_ninja,
 )
 
 
@@ -79,3 +80,21 @@ def test_a_stale_op_build_lock_is_removed_with_a_warning_and_a_fresh_one_kept(tm
     with pytest.warns(UserWarning, match="deepspeed_shm_comm/lock.*left by a build"):
         assert clear_stale_build_locks(tmp_path) == [stale]
     assert not stale.exists() and fresh.exists()   # a build may hold that one now
+
+
+@pytest.mark.parametrize("has_ninja", [True, False])
+def test_the_environments_ninja_comes_first_on_path_so_ops_build_once(tmp_path, monkeypatch,
+                                                                      has_ninja):
+    # Two ninjas on one op folder rebuilt DeepSpeed's op at every switch (a minute each):
+    # every rank builds with the ninja of its own environment, wherever PATH put it.
+    env_bin = tmp_path / "env" / "bin"
+    env_bin.mkdir(parents=True)
+    if has_ninja:
+        (env_bin / "ninja").write_text("#!/bin/sh\n")
+    monkeypatch.setattr(sys, "executable", str(env_bin / "python"))
+    monkeypatch.setenv("PATH", os.pathsep.join(["/usr/local/bin", "/usr/bin", str(env_bin)]))
+    assert use_environments_ninja() is has_ninja
+    want = [str(env_bin), "/usr/local/bin", "/usr/bin"] if has_ninja else \
+        ["/usr/local/bin", "/usr/bin", str(env_bin)]
+    assert os.environ["PATH"].split(os.pathsep) == want
+    assert use_environments_ninja() is False   # already first: nothing to do

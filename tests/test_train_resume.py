@@ -49,7 +49,8 @@ def _rmt_sliding(tmp, name, **kw):
                        model={"mechanism": "rmt", "mem_len": 4, "dropout": 0.1,
                               "rmt": {"num_mem_tokens": 3}},
                        bptt={"depth": 2, "mode": "sliding"},
-                       deepspeed={"zero_stage": 2}, eval={"max_segments": 4}, **kw)
+                       deepspeed={"zero_stage": 2}, eval={"max_segments": 4},
+                       tracking={}, **kw)   # the resumed run goes on in its MLflow run
 
 
 def _latest_step(run_dir):

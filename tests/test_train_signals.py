@@ -34,7 +34,8 @@ def _children(pid: int) -> list[int]:
 STEPS = 40
 SIGNALLED = dict(max_steps=STEPS, model={"mechanism": "rmt", "mem_len": 4,
                                          "rmt": {"num_mem_tokens": 3}},
-                 bptt={"depth": 1}, deepspeed={"zero_stage": 2}, eval={"max_segments": 4})
+                 bptt={"depth": 1}, deepspeed={"zero_stage": 2}, eval={"max_segments": 4},
+                 tracking={})   # a signal stops MLflow's run too, and the resume reopens it
 
 
 def _last_step(metrics) -> int:
@@ -78,10 +79,13 @@ def test_usr1_then_sigterm_on_one_rank_checkpoint_every_rank_at_one_step_and_res
     cfg = tiny_config(tmp_path, "signalled", **SIGNALLED)
     run_dir = tmp_path / "runs" / "signalled"
     first = _stopped_by_a_signal_on_one_rank(cfg, run_dir, signal.SIGUSR1, after_step=5)
+    run_id = json.loads((run_dir / "tracking.json").read_text())["run_id"]
     _stopped_by_a_signal_on_one_rank(cfg, run_dir, signal.SIGTERM, after_step=first + 3)
     run_train(cfg, nproc=2)
     assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
     assert step_losses(run_dir) == step_losses(tmp_path / "runs" / "straight")
+    # Each resume went on in the MLflow run the first launch opened.
+    assert json.loads((run_dir / "tracking.json").read_text())["run_id"] == run_id
 
 
 def test_a_non_finite_loss_stops_every_rank_with_exit_3_and_keeps_the_last_checkpoint(

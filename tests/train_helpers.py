@@ -54,7 +54,12 @@ def make_word_corpus(path: Path, n_train: int = 60_000, n_valid: int = 6_000, se
 
 
 def tiny_config(tmp: Path, name: str = "t", **sections) -> Path:
-    """A YAML run config for a 2-layer model on the word corpus; `sections` update it."""
+    """A YAML run config for a 2-layer model on the word corpus; `sections` update it.
+
+    MLflow tracking is off unless `sections` has a `tracking` section: importing MLflow and
+    opening its store cost a launch 2.5-3 s on the 2-core machine, and most runs here test
+    the engine. What tracking must do, across ranks, resumes, signals, servers and
+    comparisons, is tested by the runs that ask for it (tracking={} turns it on)."""
     cfg = {
         "name": name, "run_dir": str(tmp / "runs" / name), "max_steps": 12, "log_every": 1,
         "threads": 1,
@@ -63,6 +68,7 @@ def tiny_config(tmp: Path, name: str = "t", **sections) -> Path:
         "data": {"path": str(make_word_corpus(tmp / "data")), "global_batch": 4},
         "optim": {"lr": 3e-3, "schedule": "constant"},
         "eval": {"max_segments": 10},
+        "tracking": {"enabled": "tracking" in sections},
     }
     for key, value in sections.items():
         if isinstance(value, dict):
@@ -74,7 +80,16 @@ def tiny_config(tmp: Path, name: str = "t", **sections) -> Path:
     store = tmp / "runs" / STORE
     if not store.exists():   # the runs' shared MLflow store, as the first run would make it
         store.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(_empty_store(), store)
+        # Never over a store in use: two workers may make configs in one root (conftest's
+        # zero_run), so the copy appears under its name in one step, or not at all.
+        part = store.with_name(f"{store.name}.{os.getpid()}.part")
+        shutil.copyfile(_empty_store(), part)
+        try:
+            os.link(part, store)
+        except FileExistsError:
+            pass
+        finally:
+            part.unlink()
     return path
 
 

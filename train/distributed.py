@@ -360,6 +360,22 @@ def clear_stale_build_locks(extensions: Path, max_age_s: float = STALE_LOCK_S) -
     return removed
 
 
+def use_environments_ninja() -> bool:
+    """Put this interpreter's scripts folder first on PATH when it holds `ninja` (the
+    environment's own, a DeepSpeed dependency); True if PATH changed. torch builds an op with
+    the first `ninja` on PATH, and a ninja of another version does not read the build log the
+    last one kept, so it builds everything again: launches from an activated environment
+    (its ninja 1.13) and from a plain shell (the system's 1.11) sharing one op folder rebuilt
+    DeepSpeed's op in turn, about a minute of both cores each time, every other rank waiting
+    on the build lock (measured on the 2-core machine)."""
+    bin_dir = str(Path(sys.executable).parent)
+    path = [p for p in os.environ.get("PATH", "").split(os.pathsep) if p]
+    if not (Path(bin_dir) / "ninja").is_file() or path[:1] == [bin_dir]:
+        return False
+    os.environ["PATH"] = os.pathsep.join([bin_dir, *(p for p in path if p != bin_dir)])
+    return True
+
+
 def init_process_group(env: DistEnv, timeout_minutes: float = 60) -> None:
     """gloo on CPU (oneCCL is not installable here), nccl on CUDA; collectives wait at most
     `timeout_minutes` for the slowest rank (the run config's distributed.timeout_minutes).
@@ -371,6 +387,7 @@ def init_process_group(env: DistEnv, timeout_minutes: float = 60) -> None:
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(prebuilt))
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
         clear_stale_build_locks(Path(os.environ["TORCH_EXTENSIONS_DIR"]))
+    use_environments_ninja()
     deepspeed = import_deepspeed()
 
     backend = "gloo" if bind_gpu(env) is None else "nccl"

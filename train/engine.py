@@ -190,7 +190,8 @@ def initialize(model: torch.nn.Module, cfg: RunConfig, ds_config: dict):
     deepspeed = import_deepspeed()  # seconds: only when an engine is built (not --print-config)
 
     if cfg.model.compile:
-        compile_core(model)  # before DeepSpeed wraps it; names and state_dict unchanged
+        # Before DeepSpeed wraps it; names and state_dict unchanged.
+        compile_core(model, backend=cfg.model.compile_backend)
         first_rank = not dist.is_initialized() or dist.get_rank() == 0
         if zero_stage(ds_config) == 3 and first_rank:
             warnings.warn(
