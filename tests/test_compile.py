@@ -229,11 +229,16 @@ def test_compiled_checkpointed_layers_keep_the_memory_saving_of_eager_checkpoint
 
 
 # Through `memtrain train`, last: their graphs are the in-process runs' above, which the
-# Inductor cache then holds.
+# Inductor cache then holds. XL's run is built by Inductor, the one Inductor build through
+# the engine; LaMemo's per-layer calls inside checkpoints run on eager kernels
+# (model.compile_backend: aot_eager): what it checks, the layer graphs and the recompute
+# drawing dropout again from the restored RNG, is decided before any kernel is generated,
+# and Inductor's per-layer kernels are the `layer_runs` fixture's.
 @pytest.mark.parametrize("model,graphs_then_resumed", [
     ({}, (2, 1)),
     # 2 layers: the bottom and the top layer call at memory length 8, one call at length 0.
-    ({"mechanism": "lamemo", "checkpoint_layers": True}, (3, 2)),
+    ({"mechanism": "lamemo", "checkpoint_layers": True, "compile_backend": "aot_eager"},
+     (3, 2)),
 ], ids=["xl", "lamemo-checkpoint-layers"])
 def test_memtrain_train_compiled_matches_eager_and_resumes_exactly(tmp_path, model,
                                                                     graphs_then_resumed):

@@ -35,7 +35,9 @@ def runs(tmp_path_factory):
         run_train(ROOT / "configs" / "quickstart.yaml",
                   [f"name={name}", "max_steps=400", f"model.mem_len={mem_len}",
                    f"run_dir={dirs[name]}", f"data.path={tmp / 'data'}", "eval.every=0",
-                   "save_every=400", "eval.no_memory_baseline=false", "eval.max_segments=20"],
+                   "save_every=400", "eval.no_memory_baseline=false", "eval.max_segments=20",
+                   # The tools log into the MLflow run of the run they read (mem16's).
+                   f"tracking.enabled={str(mem_len > 0).lower()}"],
                   launcher="single")
     return dirs
 

@@ -72,6 +72,10 @@ def installed(built, tmp_path_factory):
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
                    env=env, timeout=120)
     python = venv / "bin" / "python"
+    # The environment's own ninja, as `pip install memtrain` puts DeepSpeed's dependency
+    # there (--no-deps leaves it out): the copied op build is reused, not built again by
+    # another ninja (train/distributed.py, use_environments_ninja).
+    (venv / "bin" / "ninja").symlink_to(Path(sys.executable).parent / "ninja")
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install",
                     "--no-deps", "--no-index", "--quiet", str(built[0])], check=True,
                    env=env, cwd=base, timeout=300)

@@ -187,12 +187,17 @@ def one_rank_group():
     and all-reduces its overflow flag), torn down after the module."""
     import deepspeed
     import torch.distributed as dist
-    from train_helpers import free_port
+    from train_helpers import child_env, free_port
 
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    from train.distributed import use_environments_ninja
+
+    saved = dict(os.environ)
+    # The launches' op folder (the checkout's prebuilt one) and ninja, as every run uses:
+    # DeepSpeed's default folder would cost this worker a build of its op of its own.
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", child_env()["TORCH_EXTENSIONS_DIR"])
+    use_environments_ninja()
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                       "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
     try:
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False,
                                    verbose=False)
@@ -200,11 +205,8 @@ def one_rank_group():
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 class ScalingEngine(FakeEngine):
