@@ -77,13 +77,29 @@ def zero_run(tmp_path_factory):
     return run
 
 
-# Running the suite on several workers (pytest-xdist, `-n 2 --dist loadfile`, as .ci/run
-# does; docs/testing.md): a module is one unit of work, so its module-scoped fixtures (a
-# compiled model, an MLflow server, a SLURM cluster) are built once, on one worker. Daemons
-# take free ports of their own (tests/daemons.py), so two workers' SLURM clusters run side by
-# side; the session's ZeRO runs are shared by a lock in the session's folder (above).
-# Modules with slow tests first: the order of a run on one process. Under pytest-xdist,
-# loadfile hands out modules by their number of tests instead (docs/testing.md, "Workers").
+# Running the suite on several workers (pytest-xdist, `-n 2 --dist loadfile
+# --no-loadscope-reorder`, as .ci/run does; docs/testing.md): a module is one unit of work,
+# so its module-scoped fixtures (a compiled model, an MLflow server, a SLURM cluster) are
+# built once, on one worker. Daemons take free ports of their own (tests/daemons.py), so two
+# workers' SLURM clusters run side by side; the session's ZeRO runs are shared by a lock per
+# run in the session's folder (above).
+#
+# The modules go to the workers longest first, by the seconds tests/durations.json holds
+# (scripts/test_durations.py writes it from a JUnit report), so that the last ones to
+# start are short and both workers finish together. pytest-xdist's own order, most tests
+# first, left the one-test modules for the end, and the longest of them (the multi-node
+# rehearsal) ran alone on one worker after the other had finished. A module missing from
+# the file counts as 60 s if it has slow tests, else 5 s.
 def pytest_collection_modifyitems(config, items):
+    import json
+    from pathlib import Path
+
+    table = Path(__file__).with_name("durations.json")
+    seconds = json.loads(table.read_text()) if table.exists() else {}
     slow = {item.module.__name__ for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.module.__name__ not in slow)
+
+    def weight(item) -> float:
+        module = item.nodeid.split("::")[0]
+        return seconds.get(module, 60.0 if item.module.__name__ in slow else 5.0)
+
+    items.sort(key=lambda item: -weight(item))   # stable: a module's tests keep their order
