@@ -178,6 +178,7 @@ def test_two_runs_share_one_store_under_the_runs_root_and_a_bare_compare_sees_bo
 
     configs = [tiny_config(tmp_path, name, max_steps=4, eval={"every": 2, "max_segments": 2},
                            tracking={}) for name in ("first", "second")]
+    (tmp_path / "runs" / "mlflow.db").unlink()   # tiny_config's ready store: no new one
     with ThreadPoolExecutor(2) as pool:  # at once: both open the new store (the lock's job)
         list(pool.map(lambda c: run_train(c, launcher="single",
                                           env={"MLFLOW_TRACKING_URI": ""}), configs))
