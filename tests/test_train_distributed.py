@@ -1,9 +1,8 @@
-"""2 ranks on the CPU (gloo) through DeepSpeed: ZeRO-2 and ZeRO-3 train XL, LaMemo and RMT
-(with BPTT and segment checkpointing), and XL with the WikiText-103 configs' tied adaptive
-softmax, and ZeRO-1 trains XL, exactly like ZeRO-0 (losses, gradient norms, exported
-weights), ZeRO-3 really
-partitions, gradients reach k segments back through the engine, exit codes reach the
-launcher, and every launch path works."""
+"""2 ranks on the CPU (gloo) through DeepSpeed: ZeRO-2 and ZeRO-3 train XL, LaMemo, RMT and ARMT
+(with BPTT and segment checkpointing), Titans (its MLP memory through a BPTT window), and XL
+with the WikiText-103 configs' tied adaptive softmax, and ZeRO-1 trains XL, exactly like
+ZeRO-0 (losses, gradient norms, exported weights), ZeRO-3 really partitions, gradients reach k
+segments back through the engine, exit codes reach the launcher, and every launch path works."""
 
 import json
 import subprocess
@@ -30,7 +29,7 @@ def workdir(tmp_path_factory):
     return tmp_path_factory.mktemp("dist")
 
 
-@pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt", "armt", "xl-adaptive"])
+@pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt", "armt", "titans", "xl-adaptive"])
 def test_zero_1_2_3_train_exactly_like_zero0_losses_grad_norms_and_exported_weights(
         mechanism, zero_run):
     # Same seed, same rows, same windows: partitioning must not change the arithmetic beyond

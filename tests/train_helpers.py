@@ -197,6 +197,11 @@ ZERO_RUN_SECTIONS = {
     "rmt": dict(max_steps=10, model={"mechanism": "rmt", "mem_len": 4,
                                      "rmt": {"num_mem_tokens": 3}},
                 bptt={"depth": 1, "checkpoint_segments": True}, eval={"max_segments": 4}),
+    # Titans (memory as a context): each row's MLP memory and momentum carried through a
+    # window of 2 segments, updated in chunks of 4 inside each 8-token segment.
+    "titans": dict(max_steps=10, model={"mechanism": "titans", "mem_len": 0,
+                                        "titans": {"d_mem": 16, "chunk_size": 4}},
+                   bptt={"depth": 1}, eval={"max_segments": 4}),
     # ARMT likewise: the association matrices carried through a window of 2 segments.
     "armt": dict(max_steps=10, model={"mechanism": "armt", "mem_len": 4,
                                       "rmt": {"num_mem_tokens": 3}, "armt": {"d_key": 8}},
