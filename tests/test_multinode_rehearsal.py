@@ -73,7 +73,7 @@ def _adam_steps(info) -> set[int]:
 def _config(tmp: Path, name: str, stage: int) -> Path:
     return tiny_config(tmp, name, max_steps=STEPS, model={"dropout": 0.0},
                        data={"global_batch": GLOBAL_BATCH}, deepspeed={"zero_stage": stage},
-                       eval={"max_segments": 2}, tracking={"enabled": False})
+                       eval={"max_segments": 2})   # tiny_config: MLflow off
 
 
 def _start_nodes(cfg: Path, nnodes: int, per_node: int, logs: Path,

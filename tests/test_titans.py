@@ -186,8 +186,7 @@ def test_titans_under_zero3_bf16_resumes_bit_for_bit_evaluates_and_generates(tmp
                                 "titans": {"d_mem": 8, "chunk_size": 2}},
                          bptt={"depth": 1, "checkpoint_segments": True},
                          deepspeed={"zero_stage": 3, "precision": "bf16"},
-                         data={"global_batch": 2}, eval={"max_segments": 2},
-                         tracking={"enabled": False})
+                         data={"global_batch": 2}, eval={"max_segments": 2})
     run_train(config, launcher="single")
     straight = tmp_path / "runs" / "straight"
     stopped_cfg = copy_run(straight, tmp_path, "stopped")

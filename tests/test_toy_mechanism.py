@@ -161,8 +161,7 @@ def test_the_toy_trains_resumes_evaluates_and_is_analysed(toy, tmp_path, monkeyp
     config = tiny_config(tmp_path, "toy", max_steps=3, save_every=3,
                          model={"mechanism": NAME, "toy": {"decay": 0.5}, "n_layer": 1,
                                 "d_model": 16, "d_inner": 32, "tgt_len": 4, "mem_len": 4},
-                         data={"global_batch": 2}, eval={"max_segments": 2},
-                         tracking={"enabled": False})
+                         data={"global_batch": 2}, eval={"max_segments": 2})
     train_in_process(load_config(config), monkeypatch)
     run = tmp_path / "runs" / "toy"
     # Resumed from the step-3 checkpoint (the toy's memory loads back by its kind).
