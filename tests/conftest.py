@@ -43,14 +43,23 @@ def zero_run(tmp_path_factory):
     """zero_run(mechanism, stage) -> run directory of a finished 2-rank training run of the
     tiny config (tests/train_helpers.py) at that ZeRO stage, trained once per session and
     shared by the tests that need it (ZeRO equality, re-sharding on resume). Tests that
-    continue a run must copy it first (train_helpers.copy_run).
+    continue a run must copy it first (train_helpers.copy_run). XL's runs are launched
+    through tests/optimizer_probe.py, which also saves the Adam state the finished run
+    holds, gathered in full, as ADAM_AFTER_TRAINING in the run directory.
 
     Under pytest-xdist the workers of one session share them too: the runs live beside the
     workers' own temporary folders, and a lock per run makes one worker train it while
     another that needs the same run waits, then reads it; two workers needing different
     runs train them side by side (one lock for all made the second worker wait on the
     first's unrelated trainings)."""
-    from train_helpers import ZERO_RUN_SECTIONS, make_word_corpus, run_train, tiny_config
+    from train_helpers import (
+        ADAM_AFTER_TRAINING,
+        ZERO_RUN_SECTIONS,
+        make_word_corpus,
+        run_optimizer_probe,
+        run_train,
+        tiny_config,
+    )
 
     if os.environ.get("PYTEST_XDIST_WORKER"):
         root = tmp_path_factory.getbasetemp().parent / "zero_runs"   # this session's
@@ -70,7 +79,10 @@ def zero_run(tmp_path_factory):
                 shutil.rmtree(run_dir, ignore_errors=True)   # a worker's unfinished attempt
                 cfg = tiny_config(root, name, deepspeed={"zero_stage": stage},
                                   **ZERO_RUN_SECTIONS[mechanism])
-                run_train(cfg, nproc=2)
+                if mechanism == "xl":   # the re-sharding tests also read its Adam state
+                    run_optimizer_probe(cfg, run_dir / ADAM_AFTER_TRAINING, 2, "--after-training")
+                else:
+                    run_train(cfg, nproc=2)
                 finished.touch()
         return run_dir
 

@@ -14,12 +14,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from train_helpers import (
+    ADAM_AFTER_TRAINING,
     BIN,
     ROOT,
     child_env,
     copy_run,
-    free_port,
     rewind_run,
+    run_optimizer_probe,
     run_train,
     step_losses,
     tiny_config,
@@ -98,39 +99,24 @@ def test_resume_on_another_world_size_reshards_weights_and_optimizer(tmp_path, s
     # probe reads the Adam state the engine holds right after the resume, then trains on).
     cfg = copy_run(zero_run("xl", stage), tmp_path, "elastic")
     first = step_losses(tmp_path / "runs" / "elastic")
-    moved, out = adam_after_resume(cfg, 1, tmp_path, train_on=["max_steps=14"])
+    moved = tmp_path / "adam-after-resume.pt"
+    out = run_optimizer_probe(cfg, moved, 1, "--train-on", "max_steps=14")
+    moved = torch.load(moved)
     assert "resuming a 2-rank checkpoint on 1 ranks" in out and "regrouped by rows" in out
     losses = step_losses(tmp_path / "runs" / "elastic")
     assert sorted(losses) == list(range(1, 15))
     # Trained weights came back: the continued loss stays far below the untrained one.
     assert max(losses[s] for s in range(11, 15)) < first[1] - 0.15
     # And the optimizer state with them: the Adam moments and step the 1-rank engine holds
-    # right after the re-sharding resume equal the 2-rank run's at the same step (10), read
-    # back on its own 2 ranks (a same-world resume, exact), both gathered in full fp32.
-    same, _ = adam_after_resume(copy_run(zero_run("xl", stage), tmp_path, "same"), 2, tmp_path)
+    # right after the re-sharding resume equal those the 2-rank engine held when it saved
+    # that checkpoint (step 10; zero_run saved them, gathered in full fp32).
+    same = torch.load(zero_run("xl", stage) / ADAM_AFTER_TRAINING)
     assert same["step"] == moved["step"] == [10.0]
     for key in ("exp_avg", "exp_avg_sq"):
         assert same[key].keys() == moved[key].keys()
         for name, tensor in same[key].items():
             assert torch.equal(moved[key][name], tensor), (key, name)
         assert any(t.abs().sum() > 0 for t in same[key].values())  # a trained state
-
-
-def adam_after_resume(config: Path, nproc: int, tmp: Path,
-                      train_on: list[str] | None = None) -> tuple[dict, str]:
-    """The Adam state right after resuming `config`'s run on `nproc` ranks
-    (tests/optimizer_probe.py), and the launch's output; `train_on`: the run then trains on
-    with these overrides."""
-    out = tmp / f"{config.stem}-adam.pt"
-    more = ["--train-on", *train_on] if train_on is not None else []
-    done = subprocess.run([str(BIN / "torchrun"), "--nproc_per_node", str(nproc),
-                           "--master_port", str(free_port()),
-                           str(ROOT / "tests" / "optimizer_probe.py"), str(config), str(out),
-                           *more],
-                          cwd=ROOT, env=child_env(), capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return torch.load(out), done.stdout + done.stderr
 
 
 def _next_step_loss(run_dir: Path, *, forget: bool) -> float:

@@ -141,7 +141,25 @@ def train_cmd(config: Path, overrides=(), nproc: int = 1, launcher: str = "torch
 
 def run_train(config: Path, overrides=(), nproc: int = 1, launcher: str = "torchrun",
               env: dict | None = None, timeout: int = 1200, check: bool = True):
-    cmd = train_cmd(config, overrides, nproc, launcher)
+    return run_launch(train_cmd(config, overrides, nproc, launcher), env, timeout, check)
+
+
+# What zero_run's XL runs save beside their checkpoints: the Adam state the engine held at the
+# end of training (tests/optimizer_probe.py --after-training).
+ADAM_AFTER_TRAINING = "adam_after_training.pt"
+
+
+def run_optimizer_probe(config: Path, out: Path, nproc: int, *args: str) -> str:
+    """tests/optimizer_probe.py on `nproc` ranks (its docstring says what `args` choose):
+    the Adam state lands in `out`; returns the launch's stdout and stderr."""
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port",
+           str(free_port()), str(ROOT / "tests" / "optimizer_probe.py"), str(config), str(out),
+           *args]
+    done = run_launch(cmd, None, 1200, True)
+    return done.stdout + done.stderr
+
+
+def run_launch(cmd: list[str], env: dict | None, timeout: int, check: bool):
     # `timeout` guards against a hung run only: 2 ranks beside a busy suite on 2 cores have
     # taken over 10 minutes to their first step. The launch is its own process group: past
     # the timeout the launcher AND its ranks are killed (killing only the launcher, as
