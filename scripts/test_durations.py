@@ -2,7 +2,7 @@
 report. tests/conftest.py hands the modules to the suite's workers longest first with it
 (docs/testing.md, "Workers"); refresh it when modules grow or are added:
 
-    .venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder \\
+    .venv/bin/python -m pytest -n 3 --dist loadfile --no-loadscope-reorder \\
         --junitxml=/tmp/junit.xml
     .venv/bin/python scripts/test_durations.py /tmp/junit.xml
 """

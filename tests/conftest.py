@@ -89,7 +89,7 @@ def zero_run(tmp_path_factory):
     return run
 
 
-# Running the suite on several workers (pytest-xdist, `-n 2 --dist loadfile
+# Running the suite on several workers (pytest-xdist, `-n 3 --dist loadfile
 # --no-loadscope-reorder`, as .ci/run does; docs/testing.md): a module is one unit of work,
 # so its module-scoped fixtures (a compiled model, an MLflow server, a SLURM cluster) are
 # built once, on one worker. Daemons take free ports of their own (tests/daemons.py), so two

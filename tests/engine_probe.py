@@ -1,4 +1,5 @@
-"""Run under torchrun by test_train_distributed.py: BPTT through the DeepSpeed engine.
+"""Run on 2 ranks (tests/launch_ranks.py) by test_train_distributed.py: BPTT through the
+DeepSpeed engine.
 
 Segment j of a window holds only the token ids {2j, 2j+1} and only the last segment's loss
 counts, with untied embeddings: the input-embedding rows of segment j get gradient iff the

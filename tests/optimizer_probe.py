@@ -1,13 +1,14 @@
-"""Run under torchrun by the tests (train_helpers.run_optimizer_probe): resume a run's latest
+"""Run on N ranks by the tests (train_helpers.run_optimizer_probe): resume a run's latest
 checkpoint through train.trainer (the real restore: same world size, or re-sharded through
 DeepSpeed's universal checkpoint) and, instead of training on, save the Adam state the engine
 holds right after the resume, gathered in full fp32 on rank 0:
 
     {"step": sorted Adam step values, "exp_avg": {parameter: flat tensor}, "exp_avg_sq": ...}
 
-    torchrun --nproc_per_node N tests/optimizer_probe.py <config.yaml> <out.pt> [--train-on
-        override ...]
-    torchrun --nproc_per_node N tests/optimizer_probe.py <config.yaml> <out.pt> --after-training
+    python tests/launch_ranks.py N PORT tests/optimizer_probe.py <config.yaml> <out.pt>
+        [--train-on override ...]
+    python tests/launch_ranks.py N PORT tests/optimizer_probe.py <config.yaml> <out.pt>
+        --after-training
 
 With --train-on the run then trains on as `python -m train` would, with the overrides
 (max_steps=N): one launch both reads the restored state and continues the run (the Adam

@@ -1,7 +1,8 @@
-"""Run under torchrun by test_pretrained_zero.py in place of `python -m train`: the training
-run itself, with the trainer's call of deepspeed.initialize wrapped to record what each
-rank holds of the model just before it (right after train/pretrained.py built it) and just
-after it. Nothing else changes: the run trains, checkpoints and exports as always.
+"""Run on 2 ranks (tests/launch_ranks.py) by test_pretrained_zero.py in place of
+`python -m train`: the training run itself, with the trainer's call of deepspeed.initialize
+wrapped to record what each rank holds of the model just before it (right after
+train/pretrained.py built it) and just after it. Nothing else changes: the run trains,
+checkpoints and exports as always.
 
 Prints one JSON line from rank 0, with every rank's numbers (elements of the parameters:
 a ZeRO-3 parameter's partition `ds_tensor` plus any whole tensor, train.pretrained.

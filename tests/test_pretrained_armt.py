@@ -6,28 +6,30 @@ checkpointing change nothing, and `memtrain train` trains and resumes it exactly
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-import yaml
-from pretrained_helpers import V, hf_model_section, tiny_gpt2, tiny_llama
-from train_helpers import step_losses, train_in_process
+from pretrained_helpers import (
+    COPY_STEPS,
+    COPY_STOP,
+    V,
+    hf_model_section,
+    make_copy_task,
+    tiny_gpt2,
+    tiny_llama,
+    train_copy_task,
+)
+from train_helpers import step_losses
 
-from data_pipeline.prepare import main_tasks
 from data_pipeline.streams import SegmentBatch
 from model import ConfigError, ModelConfig, build_model
 from model.pretrained.positions import armt_position_ids
 from planner.activations import Dims, count_params
 from planner.plan import main_plan
 from planner.window import window_memory
-from train import trainer
 from train.bptt import run_window
-from train.config import load_config
-from train.loop import TrainingLoop
 from train.memory_probe import measure
 
 ARCHS = {"gpt2": tiny_gpt2, "llama": tiny_llama}
@@ -242,44 +244,18 @@ def test_memtrain_plan_states_the_associative_memory_and_counts_its_parameters(
 
 
 # ---------------------------------------------------------------- memtrain train
-STEPS, STOP = 4, 2
-
-
-def _train(tmp, copy, path, name, monkeypatch, stop_at=None, **bptt):
-    cfg = {"name": name, "run_dir": str(tmp / "runs" / name), "max_steps": STEPS,
-           "log_every": 1, "threads": 1, "seed": 0,
-           "model": _section(path, m=2, tgt_len=6, hf={"path": str(path),
-                                                       "finetune": "frozen"}),
-           "data": {"path": str(copy), "global_batch": 4},
-           "bptt": {"depth": 1, **bptt}, "deepspeed": {"zero_stage": 0},
-           "optim": {"lr": 1e-2, "schedule": "constant"},
-           "eval": {"max_segments": 2}, "tracking": {"enabled": False}}
-    (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg))
-    cfg = load_config(tmp / f"{name}.yaml")
-
-    class Stopping(TrainingLoop):
-        def _engine_step(self, step):
-            super()._engine_step(step)
-            if stop_at is not None and step == stop_at - 1:
-                os.kill(os.getpid(), signal.SIGTERM)
-
-    monkeypatch.setattr(trainer, "TrainingLoop", Stopping)
-    train_in_process(cfg, monkeypatch)
-    return cfg.resolved_run_dir
-
-
 def test_memtrain_train_runs_armt_on_a_frozen_llama_and_resumes_exactly(
         ckpt, tmp_path, monkeypatch):
     """A copy task, stopped by SIGTERM at step 2 and resumed with its segments checkpointed:
     the same loss at every step as the uninterrupted run, and the memory trains."""
-    copy = tmp_path / "copy4-s2"
-    assert main_tasks(["copy", "--src-len", "4", "--n-segments", "2", "--train-size", "64",
-                       "--valid-size", "8", "--test-size", "8", "--out", str(copy)]) == 0
-    whole = step_losses(_train(tmp_path, copy, ckpt["llama"], "whole", monkeypatch))
-    _train(tmp_path, copy, ckpt["llama"], "stopped", monkeypatch, stop_at=STOP,
-           checkpoint_segments=True)
-    run_dir = _train(tmp_path, copy, ckpt["llama"], "stopped", monkeypatch,
-                     checkpoint_segments=True)
+    copy = make_copy_task(tmp_path / "copy4-s2")
+    model = _section(ckpt["llama"], m=2, tgt_len=6, hf={"path": str(ckpt["llama"]),
+                                                         "finetune": "frozen"})
+    whole = step_losses(train_copy_task(tmp_path, copy, model, "whole", monkeypatch))
+    train_copy_task(tmp_path, copy, model, "stopped", monkeypatch, stop_at=COPY_STOP,
+                    checkpoint_segments=True)
+    run_dir = train_copy_task(tmp_path, copy, model, "stopped", monkeypatch,
+                              checkpoint_segments=True)
     resumed = step_losses(run_dir)
-    assert sorted(whole) == list(range(1, STEPS + 1)) and whole[STEPS] != whole[1]
+    assert sorted(whole) == list(range(1, COPY_STEPS + 1)) and whole[COPY_STEPS] != whole[1]
     assert resumed == pytest.approx(whole, rel=1e-5)

@@ -13,7 +13,7 @@ import torch
 import yaml
 from pretrained_helpers import TINY, hf_model_section
 from safetensors.torch import load_file
-from train_helpers import BIN, ROOT, child_env, free_port, make_word_corpus, step_losses
+from train_helpers import ROOT, child_env, make_word_corpus, ranks_cmd, step_losses
 
 pytestmark = pytest.mark.slow
 
@@ -52,9 +52,8 @@ def hf_run(tmp_path_factory):
                    "deepspeed": {"zero_stage": stage, "precision": RUNS[arch][1]}}
             path = root / f"{name}.yaml"
             path.write_text(yaml.safe_dump(cfg))
-            cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port",
-                   str(free_port()), str(ROOT / "tests" / "pretrained_zero_probe.py"),
-                   "--config", str(path)]
+            cmd = ranks_cmd(2, [str(ROOT / "tests" / "pretrained_zero_probe.py"), "--config",
+                                str(path)])
             out = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True,
                                  text=True, timeout=600)
             assert out.returncode == 0, f"{name}:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"

@@ -15,6 +15,7 @@ from train_helpers import (
     ROOT,
     child_env,
     free_port,
+    ranks_cmd,
     run_train,
     step_losses,
     tiny_config,
@@ -74,8 +75,7 @@ def test_zero_1_2_3_train_exactly_like_zero0_losses_grad_norms_and_exported_weig
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_bptt_gradient_reaches_exactly_the_window_through_the_engine(stage):
-    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(ROOT / "tests" / "engine_probe.py"), str(stage)]
+    cmd = ranks_cmd(2, [str(ROOT / "tests" / "engine_probe.py"), str(stage)])
     done = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -108,7 +108,7 @@ def test_plain_memtrain_train_is_a_world_of_one(workdir):
 
 def test_a_global_batch_the_world_size_does_not_divide_fails_with_exit_2(workdir):
     cfg = tiny_config(workdir, "odd", max_steps=3, data={"global_batch": 3})
-    done = run_train(cfg, nproc=2, check=False)
+    done = run_train(cfg, nproc=2, launcher="torchrun", check=False)
     assert done.returncode != 0  # torchrun's own code is 1 whatever the ranks returned
     assert "global batch 3 is not divisible by world size 2" in done.stderr
     root, codes = torchrun_exit_codes(done.stderr)
@@ -117,7 +117,7 @@ def test_a_global_batch_the_world_size_does_not_divide_fails_with_exit_2(workdir
 
 def test_a_config_error_exits_2_on_every_rank_under_torchrun(workdir):
     cfg = tiny_config(workdir, "badcfg", max_steps=3)
-    done = run_train(cfg, ["bptt.mode=zigzag"], nproc=2, check=False)
+    done = run_train(cfg, ["bptt.mode=zigzag"], nproc=2, launcher="torchrun", check=False)
     assert done.returncode != 0
     assert "invalid config: bptt.mode: unknown 'zigzag'" in done.stderr
     root, codes = torchrun_exit_codes(done.stderr)

@@ -57,7 +57,7 @@ def _stopped_by_a_signal_on_one_rank(cfg, run_dir, sig, after_step: int) -> int:
         time.sleep(0.1)
     assert _last_step(metrics) >= after_step, f"the run never reached step {after_step}"
     ranks = _children(proc.pid)
-    assert len(ranks) == 2, f"expected 2 rank processes under torchrun, found {ranks}"
+    assert len(ranks) == 2, f"expected 2 rank processes under the launcher, found {ranks}"
     os.kill(max(ranks), sig)  # one rank only: the other must learn of it and agree
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-4000:]
@@ -95,7 +95,7 @@ def test_a_non_finite_loss_stops_every_rank_with_exit_3_and_keeps_the_last_check
     cfg = tiny_config(tmp_path, "diverged", max_steps=10, save_every=1,
                       optim={"lr": 1e12, "schedule": "constant"}, model={"dropout": 0.0})
     run_dir = tmp_path / "runs" / "diverged"
-    done = run_train(cfg, nproc=2, check=False)
+    done = run_train(cfg, nproc=2, launcher="torchrun", check=False)
     assert done.returncode != 0  # torchrun's own code is 1 whatever the ranks returned
     root, codes = torchrun_exit_codes(done.stderr)
     assert root == 3 and set(codes.values()) <= {3, -15}, codes

@@ -128,15 +128,31 @@ def child_env(extra: dict | None = None) -> dict:
     return env
 
 
-def train_cmd(config: Path, overrides=(), nproc: int = 1, launcher: str = "torchrun"):
+def train_cmd(config: Path, overrides=(), nproc: int = 1, launcher: str = "local"):
+    """The command that trains `config` on `nproc` ranks. launcher "local" (the default):
+    one rank runs `python -m train` alone, several run under tests/launch_ranks.py (the
+    rank variables torchrun sets, without torchrun's start-up); "single": `memtrain train`;
+    "torchrun" and "deepspeed": those launchers, for the tests of what they do."""
     args = ["--config", str(config), *overrides]
     if nproc == 1 and launcher == "single":
         return [str(BIN / "memtrain"), "train", *args]
+    if launcher == "local":
+        return ranks_cmd(nproc, ["-m", "train", *args])
     if launcher == "deepspeed":
         return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port",
                 str(free_port()), "--module", "train", *args]
+    assert launcher == "torchrun", launcher
     return [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port",
             str(free_port()), "-m", "train", *args]
+
+
+def ranks_cmd(nproc: int, python_args: list[str]) -> list[str]:
+    """`python python_args...` on `nproc` local ranks: alone for one (no launcher), else
+    under tests/launch_ranks.py."""
+    if nproc == 1:
+        return [sys.executable, *python_args]
+    return [sys.executable, str(ROOT / "tests" / "launch_ranks.py"), str(nproc),
+            str(free_port()), *python_args]
 
 
 def run_train(config: Path, overrides=(), nproc: int = 1, launcher: str = "torchrun",
@@ -152,9 +168,8 @@ ADAM_AFTER_TRAINING = "adam_after_training.pt"
 def run_optimizer_probe(config: Path, out: Path, nproc: int, *args: str) -> str:
     """tests/optimizer_probe.py on `nproc` ranks (its docstring says what `args` choose):
     the Adam state lands in `out`; returns the launch's stdout and stderr."""
-    cmd = [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), str(ROOT / "tests" / "optimizer_probe.py"), str(config), str(out),
-           *args]
+    cmd = ranks_cmd(nproc, [str(ROOT / "tests" / "optimizer_probe.py"), str(config), str(out),
+                            *args])
     done = run_launch(cmd, None, 1200, True)
     return done.stdout + done.stderr
 
