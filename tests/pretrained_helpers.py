@@ -25,9 +25,10 @@ COPY_STEPS, COPY_STOP = 4, 2
 
 
 def train_copy_task(tmp: Path, copy: Path, model: dict, name: str, monkeypatch,
-                    stop_at: int | None = None, **bptt) -> Path:
+                    stop_at: int | None = None, deepspeed: dict | None = None,
+                    **bptt) -> Path:
     """Train (or resume) the run `name` of the model section `model` on the copy task at
-    `copy`; returns its run directory."""
+    `copy` (ZeRO-0 in fp32 unless `deepspeed` says otherwise); returns its run directory."""
     import os
     import signal
 
@@ -41,7 +42,7 @@ def train_copy_task(tmp: Path, copy: Path, model: dict, name: str, monkeypatch,
     cfg = {"name": name, "run_dir": str(tmp / "runs" / name), "max_steps": COPY_STEPS,
            "log_every": 1, "threads": 1, "seed": 0, "model": model,
            "data": {"path": str(copy), "global_batch": 4},
-           "bptt": {"depth": 1, **bptt}, "deepspeed": {"zero_stage": 0},
+           "bptt": {"depth": 1, **bptt}, "deepspeed": deepspeed or {"zero_stage": 0},
            "optim": {"lr": 1e-2, "schedule": "constant"},
            "eval": {"max_segments": 2}, "tracking": {"enabled": False}}
     (tmp / f"{name}.yaml").write_text(yaml.safe_dump(cfg))

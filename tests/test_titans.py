@@ -261,12 +261,14 @@ def test_titans_runs_around_a_pretrained_model_causally_and_carries_its_memory(a
     assert lm.memory[0].k_proj.weight.grad.abs().sum() > 0   # through the first segment's update
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch, deepspeed", [
+    ("gpt2", {"zero_stage": 0}), ("llama", {"zero_stage": 1, "precision": "bf16"})])
 def test_memtrain_train_runs_titans_around_a_pretrained_model_and_resumes_exactly(
-        arch, tmp_path, monkeypatch):
-    """Through the whole engine around a frozen pretrained model: a copy task stopped by
-    SIGTERM at step 2 and resumed (the neural memory's carried weights and momentum in the
-    checkpoint, segments checkpointed) repeats the uninterrupted run's losses, and they move."""
+        arch, deepspeed, tmp_path, monkeypatch):
+    """Through the whole engine around a frozen pretrained model (GPT-2 in fp32, Llama in
+    bf16 at ZeRO-1): a copy task stopped by SIGTERM at step 2 and resumed (the neural
+    memory's carried weights and momentum in the checkpoint, segments checkpointed) repeats
+    the uninterrupted run's losses, and they move."""
     from pretrained_helpers import (
         COPY_STEPS,
         COPY_STOP,
@@ -280,11 +282,12 @@ def test_memtrain_train_runs_titans_around_a_pretrained_model_and_resumes_exactl
     model = {"mechanism": "titans", "backbone": "hf", "tgt_len": 6, "mem_len": 0,
              "titans": {"d_mem": 8, "chunk_size": 2, "num_persistent": 2},
              "hf": {"path": str(path), "finetune": "frozen"}}
-    whole = step_losses(train_copy_task(tmp_path, copy, model, "whole", monkeypatch))
+    whole = step_losses(train_copy_task(tmp_path, copy, model, "whole", monkeypatch,
+                                        deepspeed=deepspeed))
     train_copy_task(tmp_path, copy, model, "stopped", monkeypatch, stop_at=COPY_STOP,
-                    checkpoint_segments=True)
+                    deepspeed=deepspeed, checkpoint_segments=True)
     run_dir = train_copy_task(tmp_path, copy, model, "stopped", monkeypatch,
-                              checkpoint_segments=True)
+                              deepspeed=deepspeed, checkpoint_segments=True)
     resumed = step_losses(run_dir)
     assert sorted(whole) == list(range(1, COPY_STEPS + 1)) and whole[COPY_STEPS] != whole[1]
     assert resumed == pytest.approx(whole, rel=1e-5)
