@@ -1,15 +1,18 @@
 """The tests' launcher of N local ranks: what torchrun gives a single-node job (the rank
 variables, one process per rank, a failure of one rank ending the others), without
 importing torch. torchrun's own start costs about 1.75 CPU seconds a launch (it imports
-torch to run an elastic agent the tests never use); the suite launches ranks over a hundred
-times on 2 cores. The tests that check torchrun itself (its exit-code report, c10d
-rendezvous, the multi-node rehearsal) still launch it.
+torch to run an elastic agent the tests never use). It serves the tests that start their
+own runs (the SIGKILL and signal tests) and the probes (optimizer, engine, pretrained ZeRO);
+`train_helpers.run_train` still launches torchrun unless asked otherwise, and the tests
+that check torchrun itself (its exit-code report, c10d rendezvous, the multi-node
+rehearsal) always do.
 
     python tests/launch_ranks.py NPROC MASTER_PORT python-args...
 
 Each rank runs `sys.executable python-args...` with RANK, LOCAL_RANK, WORLD_SIZE,
-LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, in the launcher's process group, stdout
-and stderr shared. SIGTERM and SIGINT are passed on to every rank. Exit: 0 if every rank
+LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT set (and OMP_NUM_THREADS=1 unless set, as
+torchrun does for more than one rank), in the launcher's process group, stdout and stderr
+shared. SIGTERM and SIGINT are passed on to every rank. Exit: 0 if every rank
 returned 0; else the first failing rank's code (a rank killed by a signal: 128 + signal),
 the other ranks sent SIGTERM first, as torchrun does.
 """
@@ -25,7 +28,8 @@ def main(argv: list[str]) -> int:
     nproc, port, args = int(argv[0]), argv[1], argv[2:]
     ranks = []
     for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+        env = {"OMP_NUM_THREADS": "1", **os.environ}
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         ranks.append(subprocess.Popen([sys.executable, *args], env=env))
 
