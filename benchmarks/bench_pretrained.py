@@ -106,11 +106,15 @@ def save_backbone(a, path: str) -> str:
 
 def model_config(a, path: str, num_mem_tokens: int) -> ModelConfig:
     # ARMT (--mechanism armt) only with memory: its 0-token model would be the base anyway.
+    # Titans (--mechanism titans): m persistent tokens (Eq. 19) and a neural memory of
+    # width --d-mem, the rest model.titans' defaults (docs/titans.md).
     mechanism = a.mechanism if num_mem_tokens else "rmt"
+    titans = ({"titans": {"num_persistent": num_mem_tokens, "d_mem": a.d_mem}}
+              if mechanism == "titans" else {})
     return ModelConfig.from_dict({
         "mechanism": mechanism, "backbone": "hf", "tgt_len": a.seg_len, "mem_len": 0,
         "rmt": {"num_mem_tokens": num_mem_tokens, "pattern": a.pattern},
-        "hf": {"path": path, "attn_implementation": a.attn}})
+        "hf": {"path": path, "attn_implementation": a.attn}, **titans})
 
 
 class Runner:
@@ -312,8 +316,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.1, help="gpt2 only (Llama has none)")
     p.add_argument("--attn", choices=["sdpa", "eager"], default="sdpa")
     p.add_argument("--tie-embeddings", action="store_true", help="llama: tied head (SmolLM2)")
-    p.add_argument("--mechanism", choices=["rmt", "armt"], default="rmt",
+    p.add_argument("--mechanism", choices=["rmt", "armt", "titans"], default="rmt",
                    help="the memory variants' mechanism (base: always the plain model)")
+    p.add_argument("--d-mem", type=int, default=64, help="titans: model.titans.d_mem")
     p.add_argument("--pattern", choices=["paper", "causal"], default="paper",
                    help="model.rmt.pattern of RMT's memory variants")
     p.add_argument("--seg-len", type=int, default=128)

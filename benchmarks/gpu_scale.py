@@ -81,7 +81,17 @@ QUICK_SHAPE = ["--n-layer=2", "--d-model=32", "--n-head=2", "--n-kv-head=1", "--
 # name -> (bench_pretrained variant, mechanism, extra rows per segment in units of m)
 VARIANTS = {"base": ("base", "rmt", 0), "rmt-unroll": ("unroll", "rmt", 2),
             "rmt-ckpt-last1": ("full+last1", "rmt", 2), "armt-ckpt-last1": ("full+last1",
-                                                                         "armt", 1)}
+                                                                         "armt", 1),
+            # Titans MAC (docs/titans.md): m persistent rows and one retrieved row per token
+            # (P + L extra rows, `memory_rows`); the neural memory's own FLOPs not counted.
+            "titans-ckpt-last1": ("full+last1", "titans", 1)}
+DEFAULT_VARIANTS = ("base", "rmt-unroll", "rmt-ckpt-last1", "armt-ckpt-last1")
+
+
+def memory_rows(variant: str, m: int, seg_len: int) -> int:
+    """r, the rows a segment adds to the base model's L (module docstring)."""
+    _, mechanism, per_m = VARIANTS[variant]
+    return per_m * m + (seg_len if mechanism == "titans" else 0)
 
 
 def device_facts(device) -> dict:
@@ -133,7 +143,7 @@ def _free(device) -> None:
 def measure(a, path: str, variant: str, n: int, steps: int) -> dict:
     """One row: a Runner of bench_pretrained at a.batch, its peak over one step, then
     `steps` timed steps (Adam included)."""
-    mode, mechanism, per_m = VARIANTS[variant]
+    mode, mechanism, _ = VARIANTS[variant]
     a.mechanism = mechanism
     runner = bp.Runner(a, path, mode, n, optimizer=True)
     try:
@@ -141,7 +151,7 @@ def measure(a, path: str, variant: str, n: int, steps: int) -> dict:
         if runner.device.type == "cuda":
             peak["max_allocated_mb"] = torch.cuda.max_memory_allocated(runner.device) / 2**20
         times = [runner.step() for _ in range(steps)]
-        rows = per_m * a.num_mem_tokens
+        rows = memory_rows(variant, a.num_mem_tokens, a.seg_len)
         f = flops(runner.model, a.n_layer, a.seg_len, rows)
     finally:
         del runner
@@ -175,7 +185,7 @@ def part_mfu(o, facts, deadline) -> dict:
     rows, skipped = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for seg_len in o.seg_lens:
-            for shape in SHAPES:
+            for shape in o.shapes:
                 # --quick: the shape's own flags, then tiny sizes over them (the last wins)
                 flags = [*SHAPES[shape], *(QUICK_SHAPE if o.quick else []),
                          f"--seg-len={seg_len}",
@@ -185,7 +195,7 @@ def part_mfu(o, facts, deadline) -> dict:
                 path = os.path.join(tmp, f"{shape}-{seg_len}")
                 bp.save_backbone(a, path)
                 start = max(1, o.batch_tokens // seg_len)
-                for variant in VARIANTS:
+                for variant in o.variants:
                     # --quick: the second shape's base and checkpointed RMT rows only
                     if o.quick and shape != "gpt2-124m" and variant not in ("base",
                                                                             "rmt-ckpt-last1"):
@@ -335,6 +345,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seg-lens", default="1024,512")
     p.add_argument("--segments", default="1,8,32", help="n of the memory variants")
     p.add_argument("--mem", type=int, default=16, help="m, memory tokens")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="mfu: of " + ", ".join(SHAPES))
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help="mfu: of " + ", ".join(VARIANTS))
     p.add_argument("--batch-tokens", type=int, default=32768,
                    help="the first batch tried is this / L (halved on out-of-memory)")
     p.add_argument("--steps", type=int, default=2, help="timed steps per row")
@@ -350,6 +363,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = set(o.parts) - set(PARTS)
     if unknown:
         p.error(f"--parts: unknown {sorted(unknown)}; of {', '.join(PARTS)}")
+    o.shapes = [x for x in o.shapes.split(",") if x]
+    o.variants = [x for x in o.variants.split(",") if x]
+    for flag, got, known in (("--shapes", o.shapes, SHAPES), ("--variants", o.variants,
+                                                              VARIANTS)):
+        if set(got) - set(known):
+            p.error(f"{flag}: unknown {sorted(set(got) - set(known))}; of {', '.join(known)}")
     if o.quick:
         o.seg_lens, o.segments, o.mem, o.batch_tokens, o.steps = "16", "2", 2, 32, 1
         o.dtype = "fp32" if o.device == "cpu" else o.dtype

@@ -167,8 +167,15 @@ def cuda_sync_reports():
             warnings.showwarning = shown
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("mechanism", ["xl", "lamemo", "rmt"])
+# ARMT and Titans on the GPU only: their CPU counts are the same wrappers' (tests/
+# test_sync_free.py), and what only CUDA sees is the delta rule's and the neural memory's
+# device code (a read of a gate or a norm on the host would show here).
+SYNC_CASES = [*[pytest.param(d, m, marks=NO_CUDA if d == "cuda" else ())
+                for m in ("xl", "lamemo", "rmt") for d in ("cpu", "cuda")],
+              *[pytest.param("cuda", m, marks=NO_CUDA) for m in ("armt", "titans")]]
+
+
+@pytest.mark.parametrize("device,mechanism", SYNC_CASES)
 def test_training_micro_steps_wait_for_the_device_only_at_the_step_decision(device,
                                                                            mechanism):
     steps = 3
@@ -199,3 +206,38 @@ def test_compiled_training_on_the_gpu_has_the_eager_losses_and_stops_compiling()
         "rounding; if from the first step on, the compiled step draws other dropout masks "
         f"than eager (model/compiled.py, fallback_random): {compiled} vs {eager}")
     assert graphs[-1] == graphs[-2] > 0, graphs   # the memory is full: no new graph
+
+
+@NO_CUDA
+@pytest.mark.parametrize("depth,chunk,n,clip", [(2, 4, 11, None), (3, 5, 10, 0.5)])
+def test_titans_chunked_update_on_the_gpu_equals_the_float64_token_recurrence(depth, chunk,
+                                                                              n, clip):
+    """Titans' chunked update (model/neural_memory.py) on the GPU: in float64 it equals the
+    token-by-token reference of Eq. 12-14 as on the CPU; in float32 with TF32 matmuls off it
+    stays within float32's rounding of it; a bf16 module keeps its state float32 and within
+    2% of float32 (tests/test_neural_memory.py's bound)."""
+    from test_neural_memory import _naive_inputs, _setup, naive
+    mem, x, weights, momentum = _setup(depth, chunk, n, clip=clip)
+    want_w, want_s = naive(weights, momentum, *_naive_inputs(mem, x), chunk, clip)
+    cuda = torch.device("cuda")
+    on_gpu = mem.to(cuda)
+    w, s, xg = ([t.to(cuda) for t in weights], [t.to(cuda) for t in momentum], x.to(cuda))
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.no_grad():
+            got64 = on_gpu.update(w, s, xg)
+            got32 = on_gpu.float().update([t.float() for t in w], [t.float() for t in s],
+                                          xg.float())
+            got16 = on_gpu.bfloat16().update([t.float() for t in w], [t.float() for t in s],
+                                             xg.bfloat16())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    want = want_w + want_s
+    for got, want_t in zip(got64[0] + got64[1], want, strict=True):
+        torch.testing.assert_close(got.cpu(), want_t, rtol=1e-10, atol=1e-12)
+    for got, want_t in zip(got32[0] + got32[1], want, strict=True):
+        torch.testing.assert_close(got.cpu().double(), want_t, rtol=1e-4, atol=1e-5)
+    assert all(t.dtype == torch.float32 for t in got16[0] + got16[1])
+    for got, want_t in zip(got16[0], want_w, strict=True):
+        assert (got.cpu().double() - want_t).norm() / want_t.norm() < 0.02
