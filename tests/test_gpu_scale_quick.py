@@ -134,7 +134,7 @@ def test_quick_mode_runs_every_part_on_the_cpu_and_writes_its_json(tmp_path):
     for part in parts.values():   # the device facts in every file (gpu: its name on CUDA)
         assert {"gpu", "torch", "device", "date"} <= set(part["facts"])
     rows = parts["mfu"]["rows"]
-    assert {r["variant"] for r in rows} == set(gpu_scale.VARIANTS)
+    assert {r["variant"] for r in rows} == set(gpu_scale.DEFAULT_VARIANTS)
     assert {r["shape"] for r in rows} == set(gpu_scale.SHAPES)   # each shape's flags parsed
     for r in rows:
         assert {"tokens_per_s", "batch", "n", "peak_mb", "flops_per_text_token",
