@@ -109,7 +109,8 @@ def model_config(a, path: str, num_mem_tokens: int) -> ModelConfig:
     # Titans (--mechanism titans): m persistent tokens (Eq. 19) and a neural memory of
     # width --d-mem, the rest model.titans' defaults (docs/titans.md).
     mechanism = a.mechanism if num_mem_tokens else "rmt"
-    titans = ({"titans": {"num_persistent": num_mem_tokens, "d_mem": a.d_mem}}
+    titans = ({"titans": {"num_persistent": num_mem_tokens, "d_mem": a.d_mem,
+                          "chunk_size": a.chunk_size}}
               if mechanism == "titans" else {})
     return ModelConfig.from_dict({
         "mechanism": mechanism, "backbone": "hf", "tgt_len": a.seg_len, "mem_len": 0,
@@ -319,6 +320,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mechanism", choices=["rmt", "armt", "titans"], default="rmt",
                    help="the memory variants' mechanism (base: always the plain model)")
     p.add_argument("--d-mem", type=int, default=64, help="titans: model.titans.d_mem")
+    p.add_argument("--chunk-size", type=int, default=16, help="titans: model.titans.chunk_size")
     p.add_argument("--pattern", choices=["paper", "causal"], default="paper",
                    help="model.rmt.pattern of RMT's memory variants")
     p.add_argument("--seg-len", type=int, default=128)

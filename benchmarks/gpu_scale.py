@@ -190,7 +190,8 @@ def part_mfu(o, facts, deadline) -> dict:
                 flags = [*SHAPES[shape], *(QUICK_SHAPE if o.quick else []),
                          f"--seg-len={seg_len}",
                          f"--num-mem-tokens={o.mem}", f"--device={o.device}",
-                         f"--dtype={o.dtype}", f"--threads={o.threads}"]
+                         f"--dtype={o.dtype}", f"--threads={o.threads}",
+                         f"--chunk-size={o.titans_chunk}"]
                 a = bp.parse_args(flags)
                 path = os.path.join(tmp, f"{shape}-{seg_len}")
                 bp.save_backbone(a, path)
@@ -345,6 +346,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seg-lens", default="1024,512")
     p.add_argument("--segments", default="1,8,32", help="n of the memory variants")
     p.add_argument("--mem", type=int, default=16, help="m, memory tokens")
+    p.add_argument("--titans-chunk", type=int, default=16, help="model.titans.chunk_size")
     p.add_argument("--shapes", default=",".join(SHAPES), help="mfu: of " + ", ".join(SHAPES))
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help="mfu: of " + ", ".join(VARIANTS))
