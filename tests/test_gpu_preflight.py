@@ -12,19 +12,24 @@ with a reason and check, on a GPU, what no CPU run can (docs/cluster.md, checkli
    WikiText-103 configs' 410 / 10) runs in the memory-efficient SDPA kernel (training's own
    backend pin, model/attention_kernels.py `sdpa_backends`, with its math fallback removed),
    in fp32, bf16 and fp16, and equals the plain reference path.
-2. A training loop's micro-steps wait for the device only where tests/test_sync_free.py
-   allows it (one read per optimizer step), counted by CUDA itself with
+2. A training loop's micro-steps (XL, LaMemo, RMT; ARMT and Titans on the GPU only) wait
+   for the device only where tests/test_sync_free.py allows it (one read per optimizer
+   step), counted by CUDA itself with
    `torch.cuda.set_sync_debug_mode("warn")`: it also sees waits that the wrappers of that
    file cannot (blocking copies, kernels that read a device value on the host).
 3. `model.compile` on the GPU (Triton kernels) trains with eager's losses and compiles no
    graph once the memory is full (tests/test_compile.py's training, on the device; its CPU
    case is that file's own test).
+4. Titans' chunked update (model/neural_memory.py) on the device equals the float64
+   token-by-token reference of tests/test_neural_memory.py (float64, float32 without TF32,
+   and a bf16 module's float32 state).
 
 A first GPU session runs, in order (docs/cluster.md, "A first GPU session";
 `BENCH=1 bash scripts/gpu_session.sh` does 1-4): 1. device facts; 2. this file; 3. the
 quickstart through the engine in fp32 (TF32 and full), bf16 and fp16, bf16 and fp16 stopped
 by SIGTERM and resumed; 4. the "On a GPU" benchmarks of BENCHMARKS.md; 5. on several GPUs,
-the 2-rank engine tests under nccl. All 12 cases passed on one H200 (2026-11-26).
+the 2-rank engine tests under nccl. All 12 cases passed on one H200 (2026-11-26); with
+the ARMT and Titans cases added, 16 of 16 (2026-11-27).
 """
 
 from __future__ import annotations
