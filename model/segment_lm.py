@@ -115,6 +115,17 @@ class SegmentLM(nn.Module):
         if checkpoint_segment and torch.is_grad_enabled():
             ctx = context_fn(recompute, self.cfg.d_inner)
             extra = {} if ctx is None else {"context_fn": ctx}
+            # A frozen parameter may be sharded again between the forward and its re-run: a
+            # ZeRO-3-style wrapper releases each module's gathered parameters after its
+            # forward (the re-run's too) and gathers them again before that module's
+            # backward reads them. The re-run's saved references then look empty when
+            # checkpoint compares their metadata, though every value backward reads is the
+            # gathered one (DeepSpeed 0.19.8 does this to frozen parameters only; trained
+            # ones compare equal), so the comparison is off where parameters are frozen.
+            # Exact: a frozen base under ZeRO-3 with checkpointed segments repeats the run
+            # without them (tests/test_titans.py, around a pretrained model).
+            if any(not p.requires_grad for p in self.parameters()):
+                extra["determinism_check"] = "none"
             return checkpoint(self._forward, tokens, state, targets, loss_mask,
                               return_log_probs, use_reentrant=False, **extra)
         return self._forward(tokens, state, targets, loss_mask, return_log_probs)

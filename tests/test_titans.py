@@ -262,11 +262,12 @@ def test_titans_runs_around_a_pretrained_model_causally_and_carries_its_memory(a
 
 
 @pytest.mark.parametrize("arch, deepspeed", [
-    ("gpt2", {"zero_stage": 0}), ("llama", {"zero_stage": 1, "precision": "bf16"})])
+    ("gpt2", {"zero_stage": 2}), ("llama", {"zero_stage": 3, "precision": "bf16"})])
 def test_memtrain_train_runs_titans_around_a_pretrained_model_and_resumes_exactly(
         arch, deepspeed, tmp_path, monkeypatch):
-    """Through the whole engine around a frozen pretrained model (GPT-2 in fp32, Llama in
-    bf16 at ZeRO-1): a copy task stopped by SIGTERM at step 2 and resumed (the neural
+    """Through the whole engine around a frozen pretrained model (GPT-2 in fp32 at ZeRO-2,
+    Llama in bf16 at ZeRO-3, its frozen base partitioned too, which the checkpointed
+    segments' re-run must meet gathered; model/segment_lm.py): a copy task stopped by SIGTERM at step 2 and resumed (the neural
     memory's carried weights and momentum in the checkpoint, segments checkpointed) repeats
     the uninterrupted run's losses, and they move."""
     from pretrained_helpers import (
