@@ -56,6 +56,8 @@ class MemoryState:
     kind: ClassVar[str] = ""
     # Fields that keep float32 whatever dtype the state is moved to.
     fp32_fields: ClassVar[tuple[str, ...]] = ()
+    # Fields a saved state may lack (added after states were saved): their default then.
+    optional_fields: ClassVar[tuple[str, ...]] = ()
 
     # -- generic field walking -------------------------------------------------------------
     def _map(self, fn_tensor) -> MemoryState:
@@ -155,6 +157,8 @@ class MemoryState:
         cls = _REGISTRY[kind]
         values = {}
         for f in fields(cls):
+            if f.name not in data and f.name in cls.optional_fields:
+                continue
             if f.name not in data:
                 raise ValueError(f"{kind} memory state_dict lacks field {f.name!r}")
             val = data[f.name]

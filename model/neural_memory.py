@@ -13,7 +13,9 @@ Per token t (the paper's equations; §3.1):
 theta_t (inner learning rate), eta_t (momentum) and alpha_t (forgetting) are data-dependent:
 each a sigmoid of a linear function of x_t, scaled by its bound (`max_lr`, `max_momentum`,
 `max_forget`; model/mechanisms/titans.py validates them). q_t and k_t are l2-normalised
-(§4.4). M is an MLP of `depth` >= 1 matrices without biases, SiLU between them (§3.1 "deep
+(§4.4); with `conv_size` c > 0, each of x W_Q, x W_K, x W_V first passes a causal
+depthwise convolution of kernel c (§4.4), which reads the c - 1 rows of the stream before
+the segment (the state's `tails`). M is an MLP of `depth` >= 1 matrices without biases, SiLU between them (§3.1 "deep
 memory"); depth 1 is the linear memory M(k) = k W.
 
 The chunked parallel form (§3.2, Eq. 16-18): inside a chunk of b tokens every gradient is
@@ -74,9 +76,17 @@ class NeuralMemoryState(MemoryState):
 
     kind: ClassVar[str] = "titans"
     fp32_fields: ClassVar[tuple[str, ...]] = ("weights", "momentum")
+    # A checkpoint written before the convolutions (§4.4) existed has no `tails`: none.
+    optional_fields: ClassVar[tuple[str, ...]] = ("tails",)
     weights: list[torch.Tensor] = field(default_factory=list)
     momentum: list[torch.Tensor] = field(default_factory=list)
     fresh: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
+    # With the convolutions (`conv_size` c > 0): per input stream of the memory the last
+    # c - 1 rows it saw, [B, n_layer, c - 1, d_model] in the model's dtype, so that the
+    # causal convolution runs across segment boundaries as over one sequence. Stream 0 is
+    # the update's input (MAC: the attention output y; MAG, MAL: the layer input x), stream
+    # 1 MAC's retrieval input x. Empty without convolutions.
+    tails: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def length(self) -> torch.Tensor:  # rows, for the generic batch_size / select_rows
@@ -84,10 +94,14 @@ class NeuralMemoryState(MemoryState):
 
     @classmethod
     def empty(cls, batch: int, n_layer: int, shapes: list[tuple[int, int]],
-              device=None) -> NeuralMemoryState:
+              device=None, tails: tuple[int, int, int] = (0, 0, 0)) -> NeuralMemoryState:
+        """`tails` = (streams, c - 1, d_model) of the convolutions' tails (0 streams: none)."""
         zeros = [torch.zeros(batch, n_layer, *s, device=device) for s in shapes]
+        streams, rows, width = tails
         return cls(weights=zeros, momentum=[z.clone() for z in zeros],
-                   fresh=torch.ones(batch, dtype=torch.bool, device=device))
+                   fresh=torch.ones(batch, dtype=torch.bool, device=device),
+                   tails=[torch.zeros(batch, n_layer, rows, width, device=device)
+                          for _ in range(streams if rows else 0)])
 
     def layer(self, l: int, init: list[torch.Tensor]) -> tuple[list, list]:
         """(weights, momentum) of layer l, [B, d_in, d_out] each, the learned initial
@@ -99,20 +113,32 @@ class NeuralMemoryState(MemoryState):
                     for s in self.momentum]
         return weights, momentum
 
-    def written(self, weights: list[list[torch.Tensor]], momentum: list[list[torch.Tensor]]
-                ) -> NeuralMemoryState:
-        """The state after a segment from each layer's (weights, momentum) lists."""
+    def tail(self, stream: int, l: int) -> torch.Tensor | None:
+        """Layer l's tail of `stream` [B, c - 1, d_model] (zeros in the fresh rows: a
+        document's first rows have nothing before them), or None without convolutions."""
+        if not self.tails:
+            return None
+        t = self.tails[stream][:, l]
+        return torch.where(self.fresh[:, None, None], torch.zeros((), dtype=t.dtype,
+                                                                  device=t.device), t)
+
+    def written(self, weights: list[list[torch.Tensor]], momentum: list[list[torch.Tensor]],
+                tails: list[list[torch.Tensor]] | None = None) -> NeuralMemoryState:
+        """The state after a segment from each layer's (weights, momentum) lists and, with
+        convolutions, each layer's list of stream tails."""
         def stack(per_layer):
             return [torch.stack(ws, dim=1) for ws in zip(*per_layer, strict=True)]
         return NeuralMemoryState(weights=stack(weights), momentum=stack(momentum),
-                                 fresh=torch.zeros_like(self.fresh))
+                                 fresh=torch.zeros_like(self.fresh),
+                                 tails=stack(tails) if self.tails else [])
 
     def reset_rows(self, mask: torch.Tensor) -> NeuralMemoryState:
         # Zeroed with torch.where (a NaN/Inf in a reset row is replaced, not multiplied), and
         # flagged fresh: the next segment reads M_0 there.
         return NeuralMemoryState(weights=[_zero_rows(w, mask) for w in self.weights],
                                  momentum=[_zero_rows(s, mask) for s in self.momentum],
-                                 fresh=self.fresh | mask.to(self.fresh.device))
+                                 fresh=self.fresh | mask.to(self.fresh.device),
+                                 tails=[_zero_rows(t, mask) for t in self.tails])
 
 
 # -- the memory MLP and its per-token gradients --------------------------------------------
@@ -205,7 +231,7 @@ class NeuralMemory(nn.Module):
     def __init__(self, d_model: int, d_mem: int, depth: int = 2, hidden: int | None = None,
                  chunk_size: int = 16, max_lr: float = 0.5, max_momentum: float = 0.9,
                  max_forget: float = 1.0, forget_bias: float = -4.0,
-                 max_grad_norm: float | None = None):
+                 max_grad_norm: float | None = None, conv_size: int = 0):
         super().__init__()
         if depth < 1:
             raise ValueError(f"memory depth must be >= 1, got {depth}")
@@ -218,6 +244,12 @@ class NeuralMemory(nn.Module):
         self.q_proj = nn.Linear(d_model, d_mem, bias=False)
         self.k_proj = nn.Linear(d_model, d_mem, bias=False)
         self.v_proj = nn.Linear(d_model, d_mem, bias=False)
+        # §4.4: a 1-D depthwise convolution after each of the projections W_Q, W_K, W_V,
+        # causal (kernel c over a row and the c - 1 before it); with the projection before
+        # it, a depthwise-separable convolution (pointwise first). 0: none.
+        self.conv_size = conv_size
+        self.convs = (nn.ModuleDict({n: nn.Conv1d(d_mem, d_mem, conv_size, groups=d_mem)
+                                     for n in ("q", "k", "v")}) if conv_size else None)
         self.gates = nn.Linear(d_model, 3)             # theta, eta, alpha (pre-sigmoid)
         with torch.no_grad():
             self.gates.bias.copy_(torch.tensor([0.0, 0.0, forget_bias]))
@@ -228,15 +260,37 @@ class NeuralMemory(nn.Module):
     def initial_weights(self) -> list[torch.Tensor]:
         return [w() for w in self.init]
 
-    def query(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """q = normalise(x W_Q) (Eq. 15, §4.4), in the memory's dtype."""
-        return F.normalize(self.q_proj(x).to(dtype), dim=-1)
+    def project(self, names: str, x: torch.Tensor, tail: torch.Tensor | None
+                ) -> list[torch.Tensor]:
+        """[x W_n for n in names] ("q", "k", "v") for the rows of x [B, n, d_model]; with
+        convolutions, each convolved over them and the `tail` rows before them ([B, c - 1,
+        d_model], the stream's last rows of the previous segment: `carry`), which are
+        joined to x once for all the projections."""
+        if self.convs is None:
+            return [getattr(self, f"{n}_proj")(x) for n in names]
+        if tail is None:
+            raise ValueError("a memory with convolutions needs the stream's tail rows")
+        rows = torch.cat([tail.to(x.dtype), x], dim=1)
+        return [self.convs[n](getattr(self, f"{n}_proj")(rows).transpose(1, 2)).transpose(1, 2)
+                for n in names]
 
-    def retrieve(self, weights: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def carry(self, tail: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+        """The stream's tail after the rows x: its last c - 1 rows (None without
+        convolutions)."""
+        if self.convs is None:
+            return None
+        return torch.cat([tail.to(x.dtype), x], dim=1)[:, x.shape[1]:]
+
+    def query(self, x: torch.Tensor, dtype: torch.dtype, tail=None) -> torch.Tensor:
+        """q = normalise(x W_Q) (Eq. 15, §4.4), in the memory's dtype."""
+        return F.normalize(self.project("q", x, tail)[0].to(dtype), dim=-1)
+
+    def retrieve(self, weights: list[torch.Tensor], x: torch.Tensor,
+                 tail: torch.Tensor | None = None) -> torch.Tensor:
         """M*(q) for the rows of x [B, n, d_model] (Eq. 15; no update): [B, n, d_mem] in
-        float32 (float64 if the weights are)."""
+        float32 (float64 if the weights are). `tail`: x's stream before it (`project`)."""
         ct = _compute_dtype(weights[0], x)
-        return mlp([w.to(ct) for w in weights], self.query(x, ct))
+        return mlp([w.to(ct) for w in weights], self.query(x, ct, tail))
 
     def gate_values(self, x: torch.Tensor, ct: torch.dtype):
         """(theta, log eta, log(1 - alpha)), each [B, n], from x (§3.1, data-dependent)."""
@@ -257,18 +311,29 @@ class NeuralMemory(nn.Module):
         return theta, log_eta, log_keep
 
     def update(self, weights: list[torch.Tensor], momentum: list[torch.Tensor],
-               x: torch.Tensor, read: torch.Tensor | None = None):
+               x: torch.Tensor, read: torch.Tensor | None = None,
+               tail: torch.Tensor | None = None):
         """Write the tokens x [B, n, d_model] into the memory, chunk by chunk (Eq. 11-14 in
         the chunked form of §3.2): (weights, momentum) after them, and, for the rows of
         `read` [B, n, d_model] if given, M*(q) with the weights of each row's chunk start
-        (what each token may see of the segment: the chunks before its own)."""
+        (what each token may see of the segment: the chunks before its own). `tail`: x's
+        stream before it (`project`); with convolutions `read` must be x itself, the
+        same stream."""
+        if self.convs is not None and read is not None and read is not x:
+            raise ValueError("with convolutions the memory reads the rows it is written "
+                             "with (one stream, one tail)")
         ct = _compute_dtype(weights[0], x)
         weights = [w.to(ct) for w in weights]
         momentum = [s.to(ct) for s in momentum]
-        k = F.normalize(self.k_proj(x).to(ct), dim=-1)
-        v = self.v_proj(x).to(ct)
+        same = read is x             # the reads' queries from the same joined rows
+        k, v, *q = self.project("kvq" if same else "kv", x, tail)
+        k = F.normalize(k.to(ct), dim=-1)
+        v = v.to(ct)
         theta, log_eta, log_keep = self.gate_values(x, ct)
-        q = self.query(read, ct) if read is not None else None
+        if same:
+            q = F.normalize(q[0].to(ct), dim=-1)
+        else:   # no convolutions here (refused above)
+            q = self.query(read, ct) if read is not None else None
         reads = []
         for start in range(0, x.shape[1], self.chunk_size):
             c = slice(start, start + self.chunk_size)

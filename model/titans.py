@@ -58,7 +58,8 @@ def neural_memory(cfg: ModelConfig) -> NeuralMemory:
     o = cfg.titans
     return NeuralMemory(cfg.d_model, o.d_mem, depth=o.memory_depth, hidden=o.memory_hidden,
                         chunk_size=o.chunk_size, max_lr=o.max_lr, max_momentum=o.max_momentum,
-                        max_forget=o.max_forget, max_grad_norm=o.max_grad_norm)
+                        max_forget=o.max_forget, max_grad_norm=o.max_grad_norm,
+                        conv_size=o.conv_size)
 
 
 def mac_allowed(n_persistent: int, n_tok: int, device) -> torch.Tensor:
@@ -82,9 +83,19 @@ class MemoryGate(nn.Module):
         return y * (2 * torch.sigmoid(self.proj(r.to(y.dtype))))
 
 
-def initial_state(memories: nn.ModuleList, batch_size: int, device=None) -> NeuralMemoryState:
-    """Every row fresh: its first segment reads the learned initial weights M_0, S = 0."""
-    return NeuralMemoryState.empty(batch_size, len(memories), memories[0].shapes, device)
+def initial_state(memories: nn.ModuleList, batch_size: int, streams: int, d_model: int,
+                  device=None) -> NeuralMemoryState:
+    """Every row fresh: its first segment reads the learned initial weights M_0, S = 0, and
+    the convolutions (if any) see zeros before it. `streams`: the memory's input streams
+    (MAC 2: retrieval and update; MAG, MAL 1)."""
+    rows = max(memories[0].conv_size - 1, 0)
+    return NeuralMemoryState.empty(batch_size, len(memories), memories[0].shapes, device,
+                                   tails=(streams, rows, d_model))
+
+
+def streams(variant: str) -> int:
+    """The memory's input streams: the update's (and its reads'), and MAC's retrieval."""
+    return 2 if variant == "mac" else 1
 
 
 class TitansCore(RelativeBackbone):
@@ -111,8 +122,8 @@ class TitansCore(RelativeBackbone):
         Besides the layer, each layer saves the memory's reads (the query, every matrix's
         pre-activation and output, for the retrieval and Eq. 25's read) and its update's
         tensors (keys, values, gates, and per chunk the weights and momentum at its start,
-        the MLP's inputs and errors); the state is every layer's weights and momentum,
-        float32."""
+        the MLP's inputs and errors), and with convolutions their inputs; the state is every
+        layer's weights and momentum, float32, and the convolutions' tails."""
         o, n, d, n_layer = cfg.titans, cfg.tgt_len, cfg.d_model, cfg.n_layer
         k = o.num_persistent + (2 if o.variant == "mac" else 1) * n
         mem = neural_memory(cfg)
@@ -127,6 +138,12 @@ class TitansCore(RelativeBackbone):
                  TensorShape((rows, n), "fp32", count=8),                # gates, coefficients
                  TensorShape((rows, params), "fp32", count=2 * chunks),  # M, S per chunk
                  TensorShape((rows, n, d)))                              # y (Eq. 25's gate)
+        if o.conv_size:
+            # per stream its rows after the tail (the projections' input), and each
+            # convolution's input (q, k, v; MAC's retrieval q too)
+            wide = n + o.conv_size - 1
+            saved += (TensorShape((rows, wide, d), count=streams(o.variant)),
+                      TensorShape((rows, wide, o.d_mem), count=2 + streams(o.variant)))
         state_read = (TensorShape((rows, params), "fp32", count=2),)
         layer = LayerShape((attn,), out_rows=n, input_rows=n, input_saved=True, saved=saved,
                            state_read=state_read)
@@ -134,12 +151,19 @@ class TitansCore(RelativeBackbone):
         text = (f"Titans M and S: {n_layer} layers x {len(mem.shapes)} matrices "
                 f"{' + '.join(f'[{i}, {j}]' for i, j in mem.shapes)} per row, fp32, "
                 f"[{rows}] rows")
+        if o.conv_size:
+            # the convolutions' tails: c - 1 rows per stream and layer
+            state += (TensorShape((rows, n_layer, o.conv_size - 1, d),
+                                  count=streams(o.variant)),)
+            text += (f"; the convolutions' last {o.conv_size - 1} rows x "
+                     f"{streams(o.variant)} streams")
         return SegmentShapes((layer,) * n_layer, distances=k, output_rows=n,
                              state=state, state_text=text,
                              saved_label="the neural memory's reads and update")
 
     def empty_state(self, batch_size: int, device=None) -> NeuralMemoryState:
-        return initial_state(self.memory, batch_size, device)
+        return initial_state(self.memory, batch_size, streams(self.cfg.titans.variant),
+                             self.cfg.d_model, device)
 
     def forward(self, h0: torch.Tensor, state: NeuralMemoryState | None, lengths: Lengths):
         """h0 [B, L, d] -> (hidden [B, L, d], NeuralMemoryState after the segment)."""
@@ -157,24 +181,29 @@ class TitansCore(RelativeBackbone):
         dist = distance_list(n_k - n_tok, n_tok, 0, n_k, n_dist=n_k, device=h0.device)
         r_emb = self.r_emb(dist, lengths, dtype=h0.dtype)
 
-        x, new_w, new_s = h0, [], []
+        x, new_w, new_s, new_t = h0, [], [], []
         bias = self.bias_tensors()
         for i, (layer, mem) in enumerate(zip(self.layers, self.memory, strict=True)):
             weights, momentum = state.layer(i, mem.initial_weights())
+            tail = state.tail(0, i)           # the update stream's last rows (convolutions)
             rows = [] if persistent is None else [
                 persistent[i].to(x.dtype)[None].expand(bsz, -1, -1)]
             u, v = self.biases(i, bias)
             if mac:
-                h = self.memory_out[i](mem.retrieve(weights, x).to(x.dtype))      # Eq. 21
+                x_tail = state.tail(1, i)
+                h = self.memory_out[i](mem.retrieve(weights, x, x_tail).to(x.dtype))  # Eq. 21
                 context = torch.cat([*rows, h], dim=1)                            # Eq. 22
                 y = self.run_layer(layer, x, context, r_emb, u, v, allowed)         # Eq. 23
-                weights, momentum, r = mem.update(weights, momentum, y, read=y)    # Eq. 24
+                weights, momentum, r = mem.update(weights, momentum, y, read=y,     # Eq. 24
+                                                  tail=tail)
+                new_t.append([mem.carry(tail, y), mem.carry(x_tail, x)])
                 x = self.memory_gate[i](y, r)                                      # Eq. 25
             else:
                 # MAG (§4.2): attention and the memory side by side on the layer's input,
                 # combined by the gate. MAL (§4.3): the memory's read (a residual
                 # branch, W_H) is the attention's input.
-                weights, momentum, r = mem.update(weights, momentum, x, read=x)
+                weights, momentum, r = mem.update(weights, momentum, x, read=x, tail=tail)
+                new_t.append([mem.carry(tail, x)])
                 context = torch.cat(rows, dim=1) if rows else None
                 if self.cfg.titans.variant == "mag":
                     y = self.run_layer(layer, x, context, r_emb, u, v, allowed)
@@ -184,4 +213,4 @@ class TitansCore(RelativeBackbone):
                     x = self.run_layer(layer, x, context, r_emb, u, v, allowed)
             new_w.append(weights)
             new_s.append(momentum)
-        return self.drop(x), state.written(new_w, new_s)
+        return self.drop(x), state.written(new_w, new_s, new_t)

@@ -181,3 +181,36 @@ def test_a_saturated_gate_gives_finite_gradients(max_forget):
         mem.retrieve(new_w, x).square().sum().backward()
         assert all(torch.isfinite(t).all() for t in new_w + new_s)
         assert all(torch.isfinite(p.grad).all() for p in mem.parameters()), bias
+
+
+def test_the_convolution_is_causal_per_channel_and_runs_across_segments():
+    """§4.4's convolution after a projection, written as a loop: k_t = b + sum_j w_j *
+    (x_{t-c+1+j} W_K) per channel, zeros before the sequence. The module gives it for the
+    whole sequence and for two segments with the carried tail; the memory written over the
+    two segments (chunk boundaries alike) equals the one written over the whole, reads
+    included."""
+    torch.manual_seed(0)
+    c, n, cut = 3, 12, 8
+    mem = NeuralMemory(D_MODEL, D_MEM, depth=2, chunk_size=4, conv_size=c).double()
+    x = torch.randn(2, n, D_MODEL, dtype=torch.float64)
+    zero = torch.zeros(2, c - 1, D_MODEL, dtype=torch.float64)
+    proj, conv = mem.k_proj(x), mem.convs["k"]
+    want = torch.stack([conv.bias + sum(conv.weight[:, 0, j] * proj[:, t - c + 1 + j]
+                                        for j in range(c) if t - c + 1 + j >= 0)
+                        for t in range(n)], dim=1)
+    with torch.no_grad():
+        torch.testing.assert_close(mem.project("k", x, zero)[0], want)
+        head, rest = x[:, :cut], x[:, cut:]
+        tail = mem.carry(zero, head)
+        assert torch.equal(tail, x[:, cut - c + 1:cut])
+        torch.testing.assert_close(mem.project("k", rest, tail)[0], want[:, cut:])
+        fresh = NeuralMemoryState.empty(2, 1, mem.shapes).to(dtype=torch.float64)
+        w, s = fresh.layer(0, mem.initial_weights())
+        whole = mem.update(w, s, x, read=x, tail=zero)
+        first = mem.update(w, s, head, read=head, tail=zero)
+        second = mem.update(first[0], first[1], rest, read=rest, tail=tail)
+    for got, want_t in zip(second[0] + second[1], whole[0] + whole[1], strict=True):
+        torch.testing.assert_close(got, want_t, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(torch.cat([first[2], second[2]], dim=1), whole[2])
+    with pytest.raises(ValueError, match="one stream"):
+        mem.update(w, s, head, read=head.clone(), tail=zero)

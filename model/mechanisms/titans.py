@@ -54,6 +54,12 @@ class TitansOptions:
     # Each token's gradient of each memory matrix clipped to this Frobenius norm (not in
     # the paper; without it the memory overflows at the gates' bounds, model/neural_memory.py).
     max_grad_norm: float = 1.0
+    # c, the kernel of the causal depthwise convolution after each of W_Q, W_K, W_V (§4.4),
+    # run across segment boundaries (the last c - 1 rows carried in the state). 0: none
+    # (the runs measured in docs/titans.md had none); the paper's architecture has them,
+    # with a kernel the text does not state (4 is the short convolution of the linear
+    # recurrent models it follows).
+    conv_size: int = 0
 
 
 @register
@@ -71,7 +77,7 @@ class Titans(Mechanism):
     # M_0 ~ N(0, 1/d_in) and the zero gate of Eq. 25 (model/neural_memory.py, titans.py);
     # the XL init's N(0, 0.02) would make a deep memory's reads vanish.
     own_init = ("memory.", "memory_gate.", "persistent")
-    identity_fields = ("variant",)
+    identity_fields = ("variant", "conv_size")
     pretrained = True
     # Around a pretrained decoder: the persistent rows, then [h_i x_i] pairs sharing a
     # position (model/pretrained/titans.py), so a segment uses P + L positions.
@@ -114,6 +120,9 @@ class Titans(Mechanism):
         if not (0 < o.max_grad_norm < float("inf")):
             raise ConfigError("model.titans.max_grad_norm", f"must be a finite number > 0 "
                               f"(the clip that keeps the memory finite), got {o.max_grad_norm}")
+        if o.conv_size < 0 or o.conv_size == 1:
+            raise ConfigError("model.titans.conv_size", f"must be 0 (none) or >= 2 (a "
+                              f"kernel over a row and the ones before it), got {o.conv_size}")
         if not 0 <= o.max_forget <= 1:
             raise ConfigError("model.titans.max_forget", f"must be in [0, 1], got "
                               f"{o.max_forget}")
@@ -135,7 +144,7 @@ class Titans(Mechanism):
 
     def pretrained_initial_state(self, lm, batch_size, device=None):
         from ..titans import initial_state
-        return initial_state(lm.memory, batch_size, device)
+        return initial_state(lm.memory, batch_size, 2, lm.cfg.d_model, device)   # MAC
 
     def pretrained_decode(self, lm, emb, state):
         from ..pretrained.titans import decode

@@ -61,16 +61,20 @@ def _interleave(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def titans_pass(lm, state: NeuralMemoryState, n_p: int) -> Iterator[tuple[list, list]]:
     """For the body of a with-block (one run of the base model over x^0 above): each
     layer's h rows are its memory's reads, its token rows are updated into the memory and
-    gated (Eq. 21, 24, 25). Yields the lists of each layer's (weights, momentum)."""
+    gated (Eq. 21, 24, 25). Yields the lists of each layer's (weights, momentum) and of its
+    streams' tails (model/neural_memory.py; None without convolutions)."""
     layers = lm.base.base_model.get_submodule(lm.layers_name)
     weights, momentum = [None] * len(layers), [None] * len(layers)
+    tails = [[None, None] for _ in layers]     # per layer: update, retrieval stream
 
     def read_hook(i: int):
         def hook(module, args, kwargs):
             x = args[0] if args else kwargs["hidden_states"]
             w, _ = state.layer(i, lm.memory[i].initial_weights())
             tokens = x[:, n_p + 1::2]
-            h = lm.memory_out[i](lm.memory[i].retrieve(w, tokens).to(x.dtype))
+            x_tail = state.tail(1, i)
+            tails[i][1] = lm.memory[i].carry(x_tail, tokens)
+            h = lm.memory_out[i](lm.memory[i].retrieve(w, tokens, x_tail).to(x.dtype))
             x = torch.cat([x[:, :n_p], _interleave(h, tokens)], dim=1)
             if args:
                 return (x, *args[1:]), kwargs
@@ -82,7 +86,9 @@ def titans_pass(lm, state: NeuralMemoryState, n_p: int) -> Iterator[tuple[list, 
             out = _hidden(output)
             w, s = state.layer(i, lm.memory[i].initial_weights())
             y = out[:, n_p + 1::2]
-            weights[i], momentum[i], r = lm.memory[i].update(w, s, y, read=y)
+            tail = state.tail(0, i)
+            tails[i][0] = lm.memory[i].carry(tail, y)
+            weights[i], momentum[i], r = lm.memory[i].update(w, s, y, read=y, tail=tail)
             o = lm.memory_gate[i](y, r)
             out = torch.cat([out[:, :n_p], _interleave(out[:, n_p::2], o)], dim=1)
             return (out, *output[1:]) if isinstance(output, tuple) else out
@@ -93,7 +99,7 @@ def titans_pass(lm, state: NeuralMemoryState, n_p: int) -> Iterator[tuple[list, 
         for i, layer in enumerate(layers):
             handles.append(layer.register_forward_pre_hook(read_hook(i), with_kwargs=True))
             handles.append(layer.register_forward_hook(write_hook(i)))
-        yield weights, momentum
+        yield weights, momentum, tails
     finally:
         for h in handles:
             h.remove()
@@ -110,12 +116,12 @@ def decode(lm, emb: torch.Tensor, state: NeuralMemoryState):
     # at the repeated positions.
     ones = torch.ones(bsz, x.shape[1], dtype=torch.long, device=emb.device)
     positions = position_ids(n_p, n_tok, emb.device).expand(bsz, -1)
-    with titans_pass(lm, state, n_p) as (weights, momentum):
+    with titans_pass(lm, state, n_p) as (weights, momentum, tails):
         h = lm.base.base_model(inputs_embeds=x, attention_mask=ones, position_ids=positions,
                                use_cache=False)[0]
     if any(w is None for w in weights):
         raise RuntimeError("a decoder layer did not run: no memory update")
-    return h[:, n_p + 1::2], state.written(weights, momentum)
+    return h[:, n_p + 1::2], state.written(weights, momentum, tails)
 
 
 def memory_rows(cfg, rows: int, trained_params: int) -> MemoryRows:
