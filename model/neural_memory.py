@@ -15,8 +15,8 @@ each a sigmoid of a linear function of x_t, scaled by its bound (`max_lr`, `max_
 `max_forget`; model/mechanisms/titans.py validates them). q_t and k_t are l2-normalised
 (§4.4); with `conv_size` c > 0, each of x W_Q, x W_K, x W_V first passes a causal
 depthwise convolution of kernel c (§4.4), which reads the c - 1 rows of the stream before
-the segment (the state's `tails`). M is an MLP of `depth` >= 1 matrices without biases, SiLU between them (§3.1 "deep
-memory"); depth 1 is the linear memory M(k) = k W.
+the segment (the state's `tails`). M is an MLP of `depth` >= 1 matrices without biases,
+SiLU between them (§3.1 "deep memory"); depth 1 is the linear memory M(k) = k W.
 
 The chunked parallel form (§3.2, Eq. 16-18): inside a chunk of b tokens every gradient is
 taken at the weights of the chunk's start, M_{t'} with t' = t - mod(t, b), so the b

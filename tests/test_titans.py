@@ -282,9 +282,10 @@ def test_memtrain_train_runs_titans_around_a_pretrained_model_and_resumes_exactl
         arch, deepspeed, tmp_path, monkeypatch):
     """Through the whole engine around a frozen pretrained model (GPT-2 in fp32 at ZeRO-2,
     Llama in bf16 at ZeRO-3, its frozen base partitioned too, which the checkpointed
-    segments' re-run must meet gathered; model/segment_lm.py): a copy task stopped by SIGTERM at step 2 and resumed (the neural
-    memory's carried weights and momentum in the checkpoint, segments checkpointed) repeats
-    the uninterrupted run's losses, and they move."""
+    segments' re-run must meet gathered; model/segment_lm.py): a copy task stopped by
+    SIGTERM at step 2 and resumed (the neural memory's carried weights and momentum in the
+    checkpoint, segments checkpointed) repeats the uninterrupted run's losses, and they
+    move."""
     from pretrained_helpers import (
         COPY_STEPS,
         COPY_STOP,
