@@ -179,30 +179,48 @@ def surprise_factors(weights: list[torch.Tensor], k: torch.Tensor, v: torch.Tens
 
 
 def chunk_weights(theta: torch.Tensor, log_eta: torch.Tensor, log_keep: torch.Tensor):
-    """The chunk's coefficients (module docstring), all [B, b] or [B]:
-    w_S (of g_i in S_end), w_M (of g_i in M_end), E_end (of S_0 in S_end), c_S0 (of S_0 in
-    M_end), A_end (of M_0 in M_end). log_eta = log eta_t, log_keep = log(1 - alpha_t)."""
+    """A chunk's coefficients (module docstring), each [..., b] or [...] for the gates
+    [..., b] of one chunk (or of many at once, one per leading index): w_S (of g_i in
+    S_end), w_M (of g_i in M_end), E_end (of S_0 in S_end), c_S0 (of S_0 in M_end), A_end
+    (of M_0 in M_end). log_eta = log eta_t, log_keep = log(1 - alpha_t)."""
     le, la = log_eta.cumsum(-1), log_keep.cumsum(-1)                 # log E_t, log A_t
     b = le.shape[-1]
     lower = torch.ones(b, b, dtype=torch.bool, device=le.device).tril()   # [t, i]: i <= t
-    # E_t / E_i for i <= t (0 above the diagonal), [B, t, i]
-    decay_s = torch.exp((le[:, :, None] - le[:, None, :]).masked_fill(~lower, float("-inf")))
-    keep_to_end = torch.exp(la[:, -1:] - la)                          # A_end / A_t, [B, t]
-    w_s = theta * decay_s[:, -1]                                      # theta_i E_end / E_i
-    w_m = theta * torch.einsum("bt,bti->bi", keep_to_end, decay_s)
+    # E_t / E_i for i <= t (0 above the diagonal), [..., t, i]
+    decay_s = torch.exp((le[..., :, None] - le[..., None, :]).masked_fill(~lower,
+                                                                         float("-inf")))
+    keep_to_end = torch.exp(la[..., -1:] - la)                        # A_end / A_t, [..., t]
+    w_s = theta * decay_s[..., -1, :]                                 # theta_i E_end / E_i
+    w_m = theta * torch.einsum("...t,...ti->...i", keep_to_end, decay_s)
     c_s0 = (keep_to_end * le.exp()).sum(-1)
-    return w_s, w_m, le[:, -1].exp(), c_s0, la[:, -1].exp()
+    return w_s, w_m, le[..., -1].exp(), c_s0, la[..., -1].exp()
 
 
-def update_chunk(weights: list[torch.Tensor], momentum: list[torch.Tensor], k, v, theta,
-                 log_eta, log_keep, max_grad_norm: float | None = None
+def chunks_weights(theta: torch.Tensor, log_eta: torch.Tensor, log_keep: torch.Tensor,
+                   b: int) -> list[tuple[torch.Tensor, ...]]:
+    """chunk_weights of every chunk of b tokens of the gates [B, n] (a shorter last one),
+    the full chunks in one call: per chunk its tuple."""
+    n_full = theta.shape[1] // b * b
+    out = []
+    if n_full:
+        full = chunk_weights(*(t[:, :n_full].unflatten(1, (-1, b))
+                               for t in (theta, log_eta, log_keep)))
+        out = list(zip(*(t.unbind(1) for t in full), strict=True))
+    if n_full < theta.shape[1]:
+        out.append(chunk_weights(theta[:, n_full:], log_eta[:, n_full:], log_keep[:, n_full:]))
+    return out
+
+
+def update_chunk(weights: list[torch.Tensor], momentum: list[torch.Tensor], k, v, coeffs,
+                 max_grad_norm: float | None = None
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(M_end, S_end) after one chunk of the tokens k, v [B, b, d] (Eq. 13-14, chunked
-    §3.2): every gradient at `weights`, the chunk's start. `max_grad_norm`: each token's
-    gradient of each matrix scaled to at most that Frobenius norm (|a_t^T delta_t| =
-    |a_t| |delta_t|, so the clip is a factor on the token's coefficient)."""
+    §3.2) with the chunk's `coeffs` (chunk_weights): every gradient at `weights`, the
+    chunk's start. `max_grad_norm`: each token's gradient of each matrix scaled to at
+    most that Frobenius norm (|a_t^T delta_t| = |a_t| |delta_t|, so the clip is a factor
+    on the token's coefficient)."""
     factors, _ = surprise_factors(weights, k, v)
-    w_s, w_m, e_end, c_s0, a_end = chunk_weights(theta, log_eta, log_keep)
+    w_s, w_m, e_end, c_s0, a_end = coeffs
     new_w, new_s = [], []
     for w0, s0, (a, delta) in zip(weights, momentum, factors, strict=True):
         at = a.transpose(1, 2)
@@ -334,11 +352,16 @@ class NeuralMemory(nn.Module):
             q = F.normalize(q[0].to(ct), dim=-1)
         else:   # no convolutions here (refused above)
             q = self.query(read, ct) if read is not None else None
+        # Split once, not sliced per chunk: a slice's backward writes its gradient into a
+        # zero tensor of the whole sequence, once per chunk (quadratic in the chunks).
+        # The gates' coefficients of all chunks at once: they do not depend on the memory.
+        b = self.chunk_size
+        coeffs = chunks_weights(theta, log_eta, log_keep, b)
+        qs = q.split(b, dim=1) if q is not None else None
         reads = []
-        for start in range(0, x.shape[1], self.chunk_size):
-            c = slice(start, start + self.chunk_size)
-            if q is not None:
-                reads.append(mlp(weights, q[:, c]))
-            weights, momentum = update_chunk(weights, momentum, k[:, c], v[:, c], theta[:, c],
-                                             log_eta[:, c], log_keep[:, c], self.max_grad_norm)
+        for c, (kc, vc) in enumerate(zip(k.split(b, dim=1), v.split(b, dim=1), strict=True)):
+            if qs is not None:
+                reads.append(mlp(weights, qs[c]))
+            weights, momentum = update_chunk(weights, momentum, kc, vc, coeffs[c],
+                                             self.max_grad_norm)
         return weights, momentum, (torch.cat(reads, dim=1) if reads else None)

@@ -1,11 +1,10 @@
 """The tests' launcher of N local ranks: what torchrun gives a single-node job (the rank
 variables, one process per rank, a failure of one rank ending the others), without
 importing torch. torchrun's own start costs about 1.75 CPU seconds a launch (it imports
-torch to run an elastic agent the tests never use). It serves the tests that start their
-own runs (the SIGKILL and signal tests) and the probes (optimizer, engine, pretrained ZeRO);
-`train_helpers.run_train` still launches torchrun unless asked otherwise, and the tests
-that check torchrun itself (its exit-code report, c10d rendezvous, the multi-node
-rehearsal) always do.
+torch to run an elastic agent the tests never use). It serves every test that trains on
+several ranks (`train_helpers.run_train` and `train_cmd` by default, the SIGKILL and signal
+tests, the probes); the tests that check torchrun itself (its exit-code report, c10d
+rendezvous, the multi-node rehearsal) and the deepspeed launcher name theirs.
 
     python tests/launch_ranks.py NPROC MASTER_PORT python-args...
 

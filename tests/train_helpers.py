@@ -155,8 +155,10 @@ def ranks_cmd(nproc: int, python_args: list[str]) -> list[str]:
             str(free_port()), *python_args]
 
 
-def run_train(config: Path, overrides=(), nproc: int = 1, launcher: str = "torchrun",
+def run_train(config: Path, overrides=(), nproc: int = 1, launcher: str = "local",
               env: dict | None = None, timeout: int = 1200, check: bool = True):
+    """Train `config` to the end (train_cmd says what `launcher` runs); the finished
+    process, its output kept; `check`: fail the test unless it exited 0."""
     return run_launch(train_cmd(config, overrides, nproc, launcher), env, timeout, check)
 
 
