@@ -114,13 +114,10 @@ class NeuralMemoryState(MemoryState):
         return weights, momentum
 
     def tail(self, stream: int, l: int) -> torch.Tensor | None:
-        """Layer l's tail of `stream` [B, c - 1, d_model] (zeros in the fresh rows: a
-        document's first rows have nothing before them), or None without convolutions."""
-        if not self.tails:
-            return None
-        t = self.tails[stream][:, l]
-        return torch.where(self.fresh[:, None, None], torch.zeros((), dtype=t.dtype,
-                                                                  device=t.device), t)
+        """Layer l's tail of `stream` [B, c - 1, d_model], or None without convolutions.
+        A fresh row's tail is zeros already (`empty` and `reset_rows` write them): a
+        document's first rows have nothing before them."""
+        return self.tails[stream][:, l] if self.tails else None
 
     def written(self, weights: list[list[torch.Tensor]], momentum: list[list[torch.Tensor]],
                 tails: list[list[torch.Tensor]] | None = None) -> NeuralMemoryState:
@@ -297,7 +294,10 @@ class NeuralMemory(nn.Module):
         convolutions)."""
         if self.convs is None:
             return None
-        return torch.cat([tail.to(x.dtype), x], dim=1)[:, x.shape[1]:]
+        keep, n = tail.shape[1], x.shape[1]
+        if n >= keep:   # a copy of the last rows, not a view that keeps all of x alive
+            return x[:, n - keep:].clone()
+        return torch.cat([tail.to(x.dtype), x], dim=1)[:, n:]
 
     def query(self, x: torch.Tensor, dtype: torch.dtype, tail=None) -> torch.Tensor:
         """q = normalise(x W_Q) (Eq. 15, §4.4), in the memory's dtype."""

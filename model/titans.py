@@ -83,14 +83,13 @@ class MemoryGate(nn.Module):
         return y * (2 * torch.sigmoid(self.proj(r.to(y.dtype))))
 
 
-def initial_state(memories: nn.ModuleList, batch_size: int, streams: int, d_model: int,
+def initial_state(cfg: ModelConfig, memories: nn.ModuleList, batch_size: int,
                   device=None) -> NeuralMemoryState:
     """Every row fresh: its first segment reads the learned initial weights M_0, S = 0, and
-    the convolutions (if any) see zeros before it. `streams`: the memory's input streams
-    (MAC 2: retrieval and update; MAG, MAL 1)."""
-    rows = max(memories[0].conv_size - 1, 0)
+    the convolutions (if any) see zeros before it."""
+    rows = max(cfg.titans.conv_size - 1, 0)
     return NeuralMemoryState.empty(batch_size, len(memories), memories[0].shapes, device,
-                                   tails=(streams, rows, d_model))
+                                   tails=(streams(cfg.titans.variant), rows, cfg.d_model))
 
 
 def streams(variant: str) -> int:
@@ -162,8 +161,7 @@ class TitansCore(RelativeBackbone):
                              saved_label="the neural memory's reads and update")
 
     def empty_state(self, batch_size: int, device=None) -> NeuralMemoryState:
-        return initial_state(self.memory, batch_size, streams(self.cfg.titans.variant),
-                             self.cfg.d_model, device)
+        return initial_state(self.cfg, self.memory, batch_size, device)
 
     def forward(self, h0: torch.Tensor, state: NeuralMemoryState | None, lengths: Lengths):
         """h0 [B, L, d] -> (hidden [B, L, d], NeuralMemoryState after the segment)."""

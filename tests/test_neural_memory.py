@@ -203,6 +203,8 @@ def test_the_convolution_is_causal_per_channel_and_runs_across_segments():
         head, rest = x[:, :cut], x[:, cut:]
         tail = mem.carry(zero, head)
         assert torch.equal(tail, x[:, cut - c + 1:cut])
+        # a segment shorter than the tail keeps the older rows before it
+        assert torch.equal(mem.carry(tail, rest[:, :1]), torch.cat([tail[:, 1:], rest[:, :1]], 1))
         torch.testing.assert_close(mem.project("k", rest, tail)[0], want[:, cut:])
         fresh = NeuralMemoryState.empty(2, 1, mem.shapes).to(dtype=torch.float64)
         w, s = fresh.layer(0, mem.initial_weights())

@@ -144,7 +144,7 @@ class Titans(Mechanism):
 
     def pretrained_initial_state(self, lm, batch_size, device=None):
         from ..titans import initial_state
-        return initial_state(lm.memory, batch_size, 2, lm.cfg.d_model, device)   # MAC
+        return initial_state(lm.cfg, lm.memory, batch_size, device)
 
     def pretrained_decode(self, lm, emb, state):
         from ..pretrained.titans import decode
