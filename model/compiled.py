@@ -69,8 +69,15 @@ def compile_core(model: nn.Module, backend: str = "inductor") -> None:
     compiling a graph per shape, and a segment recomputed by activation checkpointing
     (grad enabled, same shapes) reuses the training graph. The forward (under
     checkpoint_layers: `run_layer`) is replaced on the instance, so parameter names,
-    state_dict keys and module hooks are unchanged. `backend`: see `_compile`.
+    state_dict keys and module hooks are unchanged. `backend`: see `_compile`. Around a
+    pretrained model (no `core`), each decoder layer's forward instead
+    (model/pretrained/regional.py).
     """
+    if not hasattr(model, "core"):
+        # A pretrained base model (PretrainedMemoryLM): its decoder layers, one at a time.
+        from .pretrained.regional import compile_decoder_layers
+        compile_decoder_layers(model, backend, _compile)
+        return
     core = model.core
     _allow_graphs(core.cfg)
     if core.cfg.checkpoint_layers:

@@ -54,6 +54,11 @@ class PretrainedOptions:
     lora_targets: list[str] = field(default_factory=list)
     # The base model's attention kernel: "sdpa" or "eager" (the reference softmax).
     attn_implementation: str = "sdpa"
+    # A checkpoint whose activation is `gelu_new` (GPT-2's family: transformers' Python
+    # tanh GELU, one aten op at a time) runs it as `gelu_pytorch_tanh`, the same
+    # approximation in one fused kernel (model/pretrained/activations.py); false keeps the
+    # original module.
+    fused_gelu: bool = True
     # The checkpoint's architecture (its config's model_type), written with the shape fields
     # by the step that reads them (model/backbones/ `resolve_shape`); empty: not read yet.
     model_type: str = ""
@@ -104,8 +109,9 @@ class ModelConfig:
     attn_impl: str = "fused"
     # Activation checkpointing around every layer (torch.utils.checkpoint, non-reentrant).
     checkpoint_layers: bool = False
-    # Training compiles the decoder stack with torch.compile (model/compiled.py); evaluation,
-    # generation and the saved weights are the same as without it.
+    # Training compiles the decoder stack with torch.compile (model/compiled.py); around a
+    # pretrained model, each decoder layer's forward on its own (model/pretrained/
+    # regional.py). Evaluation, generation and the saved weights are the same as without it.
     compile: bool = False
     # Its backend: "inductor" (fused generated kernels: the one to train with); "aot_eager"
     # (the same graphs, graph breaks and forward/backward split on eager kernels, nothing
@@ -276,9 +282,6 @@ class ModelConfig:
             raise ConfigError("model.mechanism", f"{self.mechanism!r} runs on the native "
                               "stack only; a pretrained backbone runs a mechanism that "
                               "states how (model/mechanisms/, e.g. 'rmt' or 'armt')")
-        if self.compile:
-            raise ConfigError("model.compile", "compiles the native stack only; set it false "
-                              "with a pretrained backbone")
         if o.finetune not in FINETUNE_MODES:
             raise ConfigError("model.hf.finetune", f"unknown {o.finetune!r}; choose one of "
                               f"{', '.join(FINETUNE_MODES)}")

@@ -8,11 +8,14 @@ import torch
 from memtrain.extras import missing_extra
 
 from ..typed import ConfigError
+from .activations import fuse_gelu
 from .checkpoint_config import _source
 
 
 def load_base(cfg, dtype: torch.dtype = torch.float32):
-    """The pretrained AutoModelForCausalLM of `cfg.hf`, in `dtype`, with no KV cache."""
+    """The pretrained AutoModelForCausalLM of `cfg.hf`, in `dtype`, with no KV cache; a
+    `gelu_new` activation runs fused unless `model.hf.fused_gelu` is false
+    (activations.py)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # one bar per load floods every rank's log
@@ -24,6 +27,7 @@ def load_base(cfg, dtype: torch.dtype = torch.float32):
         raise ConfigError("model.hf.path", f"cannot load {cfg.hf.path!r}: "
                           f"{str(err).splitlines()[0]}") from err
     model.config.use_cache = False
+    fuse_gelu(model, cfg.hf)
     return model
 
 

@@ -15,9 +15,10 @@ d_head, intermediate size I, vocabulary V:
   heads when grouped-query attention has fewer (a copy); SwiGLU keeps the gate's output,
   the SiLU's output and up's output [B, Q, I], and down's input when down trains.
 - GPT-2: LayerNorm keeps its input, mean and rstd; c_attn's output [B, Q, 3d] (q, k, v are
-  views of it); the tanh-approximated GELU written out in Python keeps four [B, Q, 4d]
-  tensors (its input, tanh, 0.5·x, 1 + tanh); dropout masks after c_proj, the MLP and the
-  embeddings when the config's dropout is on.
+  views of it); the tanh-approximated GELU keeps its input when it runs fused (the
+  default, `model.hf.fused_gelu`, activations.py), written out in Python (`gelu_new`) four
+  [B, Q, 4d] tensors (its input, tanh, 0.5·x, 1 + tanh); dropout masks after c_proj, the
+  MLP and the embeddings when the config's dropout is on.
 - A linear layer keeps its input only when its weight trains: a frozen base keeps no
   projection inputs, and LoRA (Hu et al. 2021, peft) keeps the adapter's input (the
   layer's input itself without lora_dropout; with it the dropped copy and its mask) and
@@ -50,6 +51,7 @@ from dataclasses import dataclass
 
 from ..shapes import SdpaShape, SegmentShapes, StatedBlock, StatedLayer, TensorShape
 from ..typed import ConfigError
+from .activations import effective_activation
 from .architectures import ARCHITECTURES, GPT2, Layout, architecture, planned
 from .checkpoint_config import SHAPE_FIELDS, hf_config, require_shape
 
@@ -147,7 +149,7 @@ def _base(key: str) -> Base:
     return Base(
         model_type=hf.model_type,
         kv_heads=getattr(hf, "num_key_value_heads", None) or cfg.n_head,
-        activation=getattr(hf, lay.act_field),
+        activation=effective_activation(hf, lay.act_field, cfg.hf),
         dropout=float(getattr(hf, lay.dropouts[0], 0.0) or 0.0) if lay.dropouts[0] else 0.0,
         embd_dropout=float(getattr(hf, lay.dropouts[1], 0.0) or 0.0) if lay.dropouts[1]
         else 0.0,
