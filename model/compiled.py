@@ -139,3 +139,23 @@ def graph_breaks() -> int:
     from torch._dynamo.utils import counters  # on use, as above
 
     return int(sum(counters["graph_break"].values()))
+
+
+# The chunk step of Titans' memory, compiled once per backend (`compiled_chunk_step`).
+_CHUNK_STEPS: dict = {}
+
+
+def compiled_chunk_step(backend: str):
+    """`model.titans.compiled_chunks`: Titans' chunk step (model/neural_memory.py
+    `chunk_step`: a chunk's reads and its update, §3.2) compiled by `backend`, the same
+    function for every memory. Every full chunk of a segment has the same shapes and the
+    weights are inputs, not parameters, so one graph (a forward and a backward) serves every
+    chunk of every layer: the loop runs the graph once per chunk instead of the ~500 eager
+    ops it was (docs/titans.md, "The compiled chunk"). fullgraph: a graph break would put
+    the host back between the pieces, so it is an error, not a fallback. Called only with
+    gradients enabled (the training forward and its recomputation), as `compile_core`."""
+    if backend not in _CHUNK_STEPS:
+        from .neural_memory import chunk_step
+        _CHUNK_STEPS[backend] = torch.compile(chunk_step, backend=backend, fullgraph=True,
+                                              dynamic=None)
+    return _CHUNK_STEPS[backend]

@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .backbone import Learned
+from .compiled import compiled_chunk_step
 from .memory import MemoryState, _register, _zero_rows
 
 LOG_FLOOR = -60.0   # log of a decay factor below exp(-60) ~ 1e-26 is that: gone
@@ -232,6 +233,18 @@ def update_chunk(weights: list[torch.Tensor], momentum: list[torch.Tensor], k, v
     return new_w, new_s
 
 
+def chunk_step(weights: list[torch.Tensor], momentum: list[torch.Tensor],
+               q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, coeffs,
+               max_grad_norm: float | None = None):
+    """One chunk of the loop (§3.2): the reads M*(q) with the chunk's start weights (None
+    without q), then (M_end, S_end) of `update_chunk`. Every full chunk calls it with the
+    same shapes, so `model.titans.compiled_chunks` compiles it once and reuses it for every
+    chunk of every layer (model/compiled.py `compiled_chunk_step`)."""
+    read = mlp(weights, q) if q is not None else None
+    new_w, new_s = update_chunk(weights, momentum, k, v, coeffs, max_grad_norm)
+    return new_w, new_s, read
+
+
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     dtype = torch.float32
     for t in tensors:
@@ -246,7 +259,8 @@ class NeuralMemory(nn.Module):
     def __init__(self, d_model: int, d_mem: int, depth: int = 2, hidden: int | None = None,
                  chunk_size: int = 16, max_lr: float = 0.5, max_momentum: float = 0.9,
                  max_forget: float = 1.0, forget_bias: float = -4.0,
-                 max_grad_norm: float | None = None, conv_size: int = 0):
+                 max_grad_norm: float | None = None, conv_size: int = 0,
+                 compile_backend: str | None = None):
         super().__init__()
         if depth < 1:
             raise ValueError(f"memory depth must be >= 1, got {depth}")
@@ -271,6 +285,9 @@ class NeuralMemory(nn.Module):
         self.chunk_size = chunk_size
         self.max_lr, self.max_momentum, self.max_forget = max_lr, max_momentum, max_forget
         self.max_grad_norm = max_grad_norm
+        # `model.titans.compiled_chunks`: the torch.compile backend of the chunk step
+        # (`chunk_step`) in training, None: eager (model/compiled.py).
+        self.compile_backend = compile_backend
 
     def initial_weights(self) -> list[torch.Tensor]:
         return [w() for w in self.init]
@@ -358,10 +375,15 @@ class NeuralMemory(nn.Module):
         b = self.chunk_size
         coeffs = chunks_weights(theta, log_eta, log_keep, b)
         qs = q.split(b, dim=1) if q is not None else None
+        full = chunk_step
+        if self.compile_backend is not None and torch.is_grad_enabled():
+            full = compiled_chunk_step(self.compile_backend)
         reads = []
         for c, (kc, vc) in enumerate(zip(k.split(b, dim=1), v.split(b, dim=1), strict=True)):
-            if qs is not None:
-                reads.append(mlp(weights, qs[c]))
-            weights, momentum = update_chunk(weights, momentum, kc, vc, coeffs[c],
-                                             self.max_grad_norm)
-        return weights, momentum, (torch.cat(reads, dim=1) if reads else None)
+            # A shorter last chunk (once per segment) runs eager: no graph of its own.
+            step = full if kc.shape[1] == b else chunk_step
+            qc = qs[c] if qs is not None else None
+            weights, momentum, r = step(weights, momentum, qc, kc, vc, coeffs[c],
+                                        self.max_grad_norm)
+            reads.append(r)
+        return weights, momentum, (torch.cat(reads, dim=1) if qs is not None else None)

@@ -59,7 +59,8 @@ def neural_memory(cfg: ModelConfig) -> NeuralMemory:
     return NeuralMemory(cfg.d_model, o.d_mem, depth=o.memory_depth, hidden=o.memory_hidden,
                         chunk_size=o.chunk_size, max_lr=o.max_lr, max_momentum=o.max_momentum,
                         max_forget=o.max_forget, max_grad_norm=o.max_grad_norm,
-                        conv_size=o.conv_size)
+                        conv_size=o.conv_size,
+                        compile_backend=cfg.compile_backend if o.compiled_chunks else None)
 
 
 def mac_allowed(n_persistent: int, n_tok: int, device) -> torch.Tensor:

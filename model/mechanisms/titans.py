@@ -60,6 +60,11 @@ class TitansOptions:
     # with a kernel the text does not state (4 is the short convolution of the linear
     # recurrent models it follows).
     conv_size: int = 0
+    # Training runs the chunk loop's step (a chunk's reads and update, §3.2) as one compiled
+    # graph by `model.compile_backend`, compiled once and reused by every full chunk of every
+    # layer (model/compiled.py `compiled_chunk_step`; docs/titans.md, "The compiled chunk").
+    # Off: eager. Independent of `model.compile`, which compiles the decoder stack.
+    compiled_chunks: bool = False
 
 
 @register
