@@ -226,6 +226,10 @@ class RunConfig:
     # A memtrain model file (`memtrain export` / `memtrain import`) whose weights start a
     # fresh run; a resumed run takes its weights from the checkpoint instead.
     init_from: str = ""
+    # Dense TFLOP/s of one device in the run's matmul dtype, for the MFU beside tokens/s
+    # (train/throughput.py); null: looked up from the GPU's name, absent on the CPU or an
+    # unknown device.
+    peak_tflops: float | None = None
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     bptt: BPTTConfig = field(default_factory=BPTTConfig)
@@ -260,6 +264,8 @@ def validate(cfg: RunConfig) -> RunConfig:
            f"must be > 0 (0 only with init_from), got {cfg.max_steps}")
     for name in ("save_every", "threads"):
         _check(getattr(cfg, name) >= 0, name, f"must be >= 0, got {getattr(cfg, name)}")
+    _check(cfg.peak_tflops is None or 0 < cfg.peak_tflops < float("inf"), "peak_tflops",
+           f"must be a positive number of TFLOP/s (or null: from the GPU), got {cfg.peak_tflops}")
     _check(cfg.keep_last >= 1, "keep_last", f"must be >= 1, got {cfg.keep_last}")
     _check(not cfg.init_from or Path(cfg.init_from).expanduser().is_file(), "init_from",
            f"{cfg.init_from} is not a file (a model file `memtrain export` or `memtrain "

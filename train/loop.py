@@ -32,6 +32,7 @@ from .export import export_checkpoint
 from .master_weights import fp32_master_model, gathers_masters, scored_weights
 from .progress import Progress, peak_memory_mb
 from .run_dir import RunDir
+from .throughput import Throughput
 
 if TYPE_CHECKING:
     from data_pipeline.shards import Manifest
@@ -99,6 +100,9 @@ class TrainingLoop:
         self._pending_new = 0
         # What the final report scores, chosen once (_scored).
         self._final_scored: tuple | None = None
+        # Model FLOPs of this rank's windows, counted on the host from their shapes: the
+        # MFU beside tokens/s (train/throughput.py).
+        self.throughput = Throughput(self.cfg, self.device)
 
     # ------------------------------------------------------------------ one micro-step
 
@@ -107,6 +111,7 @@ class TrainingLoop:
         over all ranks and the micro-steps since the last read; zeros when this micro-step
         does not read (see `_read_flags`)."""
         window = self.state.plan.next_window(batches, self.state.memory)
+        self.throughput.add(window.segments)
         res = run_window(self.engine, window.start, window.segments, self.device,
                          counted=window.counted, detach_before=window.cuts,
                          checkpoint_segments=self.cfg.bptt.checkpoint_segments,
@@ -300,6 +305,8 @@ class TrainingLoop:
     def run(self) -> str:
         cfg, st, env = self.cfg, self.state, self.env
         progress = Progress(cfg.max_steps, st.step, enabled=env.is_main)
+        if env.is_main and self.throughput.note:
+            print(self.throughput.note, flush=True)
         batches = iter(self.stream)
         self.engine.train()
         last_log, tokens_at_log = time.perf_counter(), st.tokens_seen
@@ -318,7 +325,8 @@ class TrainingLoop:
                 metrics = {"loss": loss, "bpc": bits_per_token(loss),
                            "lr": self.schedule.get_last_lr()[0],
                            "tokens_per_s": (st.tokens_seen - tokens_at_log) / (now - last_log),
-                           "peak_mem_mb": peak_memory_mb(self.device)}
+                           "peak_mem_mb": peak_memory_mb(self.device),
+                           **self.throughput.read(now - last_log)}
                 metrics.update(self.curriculum.metrics())
                 if cfg.model.compile:  # graphs torch.compile built so far (model/compiled.py)
                     metrics["compiled_graphs"] = compiled_graphs()

@@ -38,11 +38,14 @@ class Progress:
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
             if metrics:
+                mfu = {"mfu": f"{metrics['mfu']:.1%}"} if "mfu" in metrics else {}
                 self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
-                                     tok_s=f"{metrics['tokens_per_s']:.0f}")
+                                     tok_s=f"{metrics['tokens_per_s']:.0f}", **mfu)
         elif metrics:
+            # MFU only where the device's peak is known (train/throughput.py): never a guess.
+            mfu = f"MFU {metrics['mfu']:.1%} | " if "mfu" in metrics else ""
             print(f"step {step}/{self.total} | loss {metrics['loss']:.4f} | lr "
-                  f"{metrics['lr']:.3e} | {metrics['tokens_per_s']:.0f} tok/s | "
+                  f"{metrics['lr']:.3e} | {metrics['tokens_per_s']:.0f} tok/s | {mfu}"
                   f"grad norm {metrics.get('grad_norm', float('nan')):.3f} | peak "
                   f"{metrics['peak_mem_mb']:.0f} MB | eta {self._eta(step)}", flush=True)
 
