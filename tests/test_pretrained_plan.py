@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from pretrained_helpers import hf_model_section, tiny_gpt2, tiny_llama
 
 from model import ModelConfig, build_model, resolve_shape
@@ -135,3 +136,26 @@ def test_an_architecture_without_stated_shapes_is_refused_by_name(tmp_path, caps
     assert code == 2
     err = capsys.readouterr().err
     assert "model.hf.path" in err and "'gpt_neox'" in err
+
+
+@pytest.mark.parametrize("arch,finetune", [("gpt2", "full"), ("gpt2", "frozen"),
+                                           ("llama", "lora")])
+def test_model_flops_count_the_tables_apart_and_frozen_weights_at_four(checkpoints, arch,
+                                                                      finetune):
+    """train/throughput.py: N_body is every parameter but the embedding tables (GPT-2: tokens
+    and positions, its head tied; Llama: its own head), N_head the d x V head; a parameter
+    that does not train costs 4 FLOPs per row, not 6 (the trained share)."""
+    from train.throughput import model_counts
+    cfg = _cfg(checkpoints, arch, finetune)
+    model = build_model(cfg)
+    params = list(model.parameters())
+    tables = sum(m.weight.numel() for m in model.base.modules()
+                 if isinstance(m, torch.nn.Embedding))
+    head = model.base.get_output_embeddings().weight
+    untied = 0 if head is model.base.get_input_embeddings().weight else head.numel()
+    counts = model_counts(cfg)
+    assert counts.n_body == sum(p.numel() for p in params) - tables - untied
+    assert counts.n_head == cfg.vocab_size * cfg.d_model
+    trained = sum(p.numel() for p in params if p.requires_grad)
+    assert counts.trained_share == pytest.approx(trained / sum(p.numel() for p in params))
+    assert (counts.trained_share == 1.0) == (finetune == "full")
