@@ -9,7 +9,8 @@
 #      the stop against the uninterrupted runs';
 #   4. optionally (BENCH=1) the "On a GPU" benchmarks of BENCHMARKS.md.
 # With SCALE=1 it runs instead only benchmarks/gpu_scale.py, the run at realistic shapes
-# (below, and docs/cluster.md, "One GPU run at realistic shapes").
+# (below, and docs/cluster.md, "One GPU run at realistic shapes"). With TITANS_CHUNK=1 only
+# Titans' chunk loop, eager against compiled (below; docs/titans.md, "The compiled chunk").
 # Steps 2 and 3 run side by side (16 host cores are enough; their timings are not reported).
 #
 #   bash scripts/gpu_session.sh [OUT_DIR]        # PY=python to use (default .venv/bin/python)
@@ -58,6 +59,16 @@ if [ "${SCALE:-0}" = 1 ]; then
   exec timeout $((${BUDGET:-540} + 60)) "$PY" benchmarks/gpu_scale.py --out "$OUT" \
     --parts "${PARTS:-mfu,kernels,gaps,babilong}" --budget-s "${BUDGET:-540}" \
     ${args[@]+"${args[@]}"} ${SCALE_ARGS:-}
+fi
+
+# TITANS_CHUNK=1: only Titans' chunk loop, eager against model.titans.compiled_chunks
+# (benchmarks/titans_compiled_chunk.py: tokens/s of the memories' update and of the native
+# MAC model at GPT-2-124M's width and depth, segment 1,024, chunk 16; docs/titans.md, "The
+# compiled chunk"). TITANS_CHUNK_ARGS: more flags ("--quick" rehearses it on the CPU in
+# seconds; the GPU call: "--device cuda --dtype bf16", the default here).
+if [ "${TITANS_CHUNK:-0}" = 1 ]; then
+  exec timeout "${BUDGET:-540}" "$PY" benchmarks/titans_compiled_chunk.py \
+    --json "$OUT/titans_compiled_chunk.json" ${TITANS_CHUNK_ARGS:---device cuda --dtype bf16}
 fi
 
 {
