@@ -371,3 +371,34 @@ def test_flatten_params_joins_keys_with_dots_and_renders_lists_and_none():
         "model.names": '["a", "b"]', "model.clamp_len": "None", "model.tie": "True",
         "model.opts": "{}", "lr": "0.5"}
     assert flatten_params({"x": 1}, prefix="cfg") == {"cfg.x": "1"}
+
+
+def test_mfu_reaches_mlflow_only_where_the_device_peak_is_known(tmp_path):
+    """The loop's throughput metrics (train/throughput.py) as a user browsing the run sees
+    them: model TFLOP/s always, MFU with a peak (here `peak_tflops`), none without one (the
+    CPU): no made-up number."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from train.config import from_dict
+    from train.throughput import Throughput
+    model = {"mechanism": "xl", "vocab_size": 16, "n_layer": 2, "d_model": 16, "n_head": 2,
+             "d_inner": 32, "tgt_len": 4, "mem_len": 4}
+    segment = SimpleNamespace(tokens=torch.zeros(2, 5, dtype=torch.long))
+    runs = {}
+    for name, peak in (("with-peak", 0.001), ("cpu", None)):
+        cfg = from_dict({"model": model, "data": {"path": "unused"}, "peak_tflops": peak})
+        throughput = Throughput(cfg, torch.device("cpu"))
+        throughput.add([segment, segment])
+        tracker = Tracker(tmp_path / name, run_name=name)
+        tracker.log_metrics({"loss": 2.0, **throughput.read(0.01)}, step=10)
+        runs[name] = (MlflowClient(tracker.tracking_uri), tracker.run_id, throughput)
+    client, run_id, throughput = runs["with-peak"]
+    flops = 2 * 2 * throughput.per_row(4)
+    assert history(client, run_id, "mfu") == pytest.approx({10: flops / 0.01 / 1e9})
+    assert history(client, run_id, "model_tflops_per_s") == pytest.approx(
+        {10: flops / 0.01 / 1e12})
+    client, run_id, _ = runs["cpu"]
+    metrics = client.get_run(run_id).data.metrics
+    assert "mfu" not in metrics and metrics["model_tflops_per_s"] > 0
