@@ -11,6 +11,9 @@
 # With SCALE=1 it runs instead only benchmarks/gpu_scale.py, the run at realistic shapes
 # (below, and docs/cluster.md, "One GPU run at realistic shapes"). With TITANS_CHUNK=1 only
 # Titans' chunk loop, eager against compiled (below; docs/titans.md, "The compiled chunk").
+# With FUSED=1 only a pretrained GPT-2's training step, fused GELU off/on x regional compile
+# off/on, and the cold compile (below; docs/pretrained.md, "Fused activation and regional
+# compilation").
 # Steps 2 and 3 run side by side (16 host cores are enough; their timings are not reported).
 #
 #   bash scripts/gpu_session.sh [OUT_DIR]        # PY=python to use (default .venv/bin/python)
@@ -69,6 +72,22 @@ fi
 if [ "${TITANS_CHUNK:-0}" = 1 ]; then
   exec timeout "${BUDGET:-540}" "$PY" benchmarks/titans_compiled_chunk.py \
     --json "$OUT/titans_compiled_chunk.json" ${TITANS_CHUNK_ARGS:---device cuda --dtype bf16}
+fi
+
+# FUSED=1: only benchmarks/bench_pretrained_fused.py at GPT-2-small's shape (12 layers, d
+# 768, segments of 1,024 tokens, batch 8, bf16, random weights from a config): the base
+# model's step with model.hf.fused_gelu off/on x model.compile off/on (Inductor), the
+# pointwise ops per layer, and the cold compile time of aot_eager and Inductor at that
+# shape; BENCHMARKS.md, "Pretrained backbone: fused activation and regional compile".
+# FUSED_ARGS replaces the shape flags ("--device cpu" rehearses it on the CPU, tiny).
+if [ "${FUSED:-0}" = 1 ]; then
+  shape=${FUSED_ARGS:---device cuda --dtype bf16 --d-model 768 --layers 12 --heads 12 \
+    --seq 1024 --batch 8 --mem 0 --vocab 50257}
+  timeout 330 "$PY" benchmarks/bench_pretrained_fused.py --parts ops,step --rounds 10 \
+    $shape --json "$OUT/fused-step.json" 2>&1 | tee "$OUT/fused.log"
+  timeout 200 "$PY" benchmarks/bench_pretrained_fused.py --parts compile $shape \
+    --json "$OUT/fused-compile.json" 2>&1 | tee -a "$OUT/fused.log"
+  exit 0
 fi
 
 {
