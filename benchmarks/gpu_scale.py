@@ -23,8 +23,13 @@ Parts, the most valuable first (a run cut off early still returns the first ones
             (bench_compile.py, GPT-2 width), selective recompute (bench_recompute.py).
   babilong  benchmarks/gpu_babilong.py: SmolLM2-135M with memory on BABILong-style qa1,
             a segment curriculum, scored at 0k-16k beside the same model without memory.
+  engine    benchmarks/gpu_engine.py (not in the default --parts of scripts/gpu_session.sh):
+            memtrain's own training step (the DeepSpeed engine, clipping, the loop's
+            micro-step) beside this plain step, per shape: median step_s, forward share,
+            peaks with and without the weights beside the planner's.
 
-MFU (PaLM, Chowdhery et al. 2022, Appendix B: model FLOPs, recompute not counted):
+MFU (PaLM, Chowdhery et al. 2022, Appendix B: model FLOPs, recompute not counted;
+train/throughput.py's formula, the one `memtrain train` logs):
 
     flops per text token  = 6 N + 12 l d L
     MFU                   = text tokens/s x that / peak bf16 FLOP/s of the GPU
@@ -37,7 +42,8 @@ counted separately, `mfu_memory_rows`: r extra rows per segment (RMT 2m, ARMT m)
 
     memory FLOPs per segment = 6 N_body r + 12 l d ((L + r)^2 - L^2),   N_body = N - d V
 
-Peaks (dense bf16 tensor-core FLOP/s, NVIDIA's datasheets): PEAK_BF16; a GPU not listed
+Peaks (dense bf16 tensor-core FLOP/s, NVIDIA's datasheets): train/throughput.py's
+PEAK_TFLOPS; a GPU not listed
 gets MFU null. Budget: no part starts when less than its minimum is left of --budget-s, and
 a part's own loop stops early on its share (PART_SHARE): each part's JSON says what ran.
 """
@@ -60,16 +66,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import bench_pretrained as bp  # noqa: E402
 from benchmarks.common import write_json  # noqa: E402
+from train import throughput  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-PARTS = ("mfu", "kernels", "gaps", "babilong")
+PARTS = ("mfu", "kernels", "gaps", "babilong", "engine")
 # Seconds of the budget each part may use (of what is left when it starts), and the least
 # left for it to start at all.
-PART_SHARE = {"mfu": 0.40, "kernels": 0.10, "gaps": 0.35, "babilong": 1.0}
-PART_MIN_S = {"mfu": 30, "kernels": 10, "gaps": 30, "babilong": 60}
-PEAK_BF16 = (("H200", 989.4e12), ("GH200", 989.4e12), ("H100 PCIe", 756.0e12),
-             ("H100 NVL", 835.0e12), ("H100", 989.4e12), ("A100", 312.0e12),
-             ("L40S", 362.0e12), ("A10", 125.0e12))
+PART_SHARE = {"mfu": 0.40, "kernels": 0.10, "gaps": 0.35, "babilong": 1.0, "engine": 1.0}
+PART_MIN_S = {"mfu": 30, "kernels": 10, "gaps": 30, "babilong": 60, "engine": 60}
 SHAPES = {   # bench_pretrained flags of each realistic shape
     "gpt2-124m": ["--arch=gpt2", "--n-layer=12", "--d-model=768", "--n-head=12",
                   "--d-inner=3072", "--vocab=50257", "--dropout=0.0"],
@@ -105,10 +109,8 @@ def device_facts(device) -> dict:
 
 
 def peak_flops(gpu: str | None) -> float | None:
-    for name, flops in PEAK_BF16:
-        if gpu and name in gpu:
-            return flops
-    return None
+    """The GPU's dense bf16 peak (train/throughput.py's table), None if not listed."""
+    return throughput.peak_flops(gpu, "bf16")
 
 
 def matmul_params(model) -> tuple[int, int, int]:
@@ -128,8 +130,13 @@ def matmul_params(model) -> tuple[int, int, int]:
 def flops(model, n_layer: int, seg_len: int, rows: int) -> dict:
     """FLOPs per text token and per segment's memory rows (module docstring)."""
     n, d, v = matmul_params(model)
-    per_token = 6 * n + 12 * n_layer * d * seg_len
-    memory = 6 * (n - d * v) * rows + 12 * n_layer * d * ((seg_len + rows) ** 2 - seg_len ** 2)
+    # train/throughput.py's formula for one segment, without and with the memory rows
+    # (PaLM's attention over the whole segment, its causal half not subtracted)
+    def segment(r):
+        return throughput.training_flops(n - d * v, d * v, seg_len + r, seg_len,
+                                         n_layer * d * (seg_len + r) ** 2)
+    per_token = segment(0) / seg_len
+    memory = segment(rows) - segment(0)
     return {"matmul_params": n, "flops_per_text_token": per_token,
             "memory_flops_per_segment": memory}
 
@@ -262,6 +269,13 @@ def part_kernels(o, facts, deadline) -> dict:
     cases = ["hf rmt paper"] if o.quick else list(CASES)
     dtype = torch.bfloat16 if o.dtype == "bf16" else torch.float32
     return kernel_report(o.device, dtype, cases)
+
+
+def part_engine(o, facts, deadline) -> dict:
+    """benchmarks/gpu_engine.py per shape, a child process (it starts a process group)."""
+    from benchmarks.gpu_engine import run_child
+    shapes = o.shapes[:1] if o.quick else o.shapes     # --quick: the first shape's only
+    return {"shapes": {shape: run_child(o, shape, deadline) for shape in shapes}}
 
 
 def part_babilong(o, facts, deadline) -> dict:

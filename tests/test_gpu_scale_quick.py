@@ -121,6 +121,37 @@ def test_a_missing_gguf_fails_before_any_part(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_the_engine_part_times_memtrains_own_step_beside_the_plain_one(tmp_path):
+    """benchmarks/gpu_engine.py through gpu_scale.py's engine part (a child process), at tiny
+    shapes on the CPU: both steps of each variant timed, their peaks beside the planner's."""
+    import statistics
+    o = gpu_scale.parse_args(["--out", str(tmp_path), "--quick", "--device", "cpu",
+                              "--parts", "engine"])
+    assert gpu_scale.run(o)["parts"]["engine"]["status"] == "done"
+    shapes = json.loads((tmp_path / "engine.json").read_text())["shapes"]
+    assert list(shapes) == ["gpt2-124m"]
+    result = shapes["gpt2-124m"]
+    assert "error" not in result, result.get("tail")
+    assert result["gpu"] is None and result["peak_flops"] is None     # the CPU: no MFU
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert set(rows) == {"base", "rmt-ckpt-last1"} and rows["rmt-ckpt-last1"]["n"] == 2
+    for r in rows.values():
+        for kind in ("plain", "engine"):
+            m = r[kind]
+            assert len(m["steps_s"]) >= 5 and m["step_s"] == statistics.median(m["steps_s"])
+            assert 0 < m["forward_share"] < 1 and m["peak_gb"] >= m["step_peak_gb"] >= 0
+            assert m["predicted_step_peak_gb"] > 0 and m["mfu"] is None
+            assert m["model_tflops_per_s"] == pytest.approx(
+                r["model_flops_per_step"] / m["step_s"] / 1e12)
+        assert r["engine"]["zero_stage"] == 1 and r["plain"]["predicted_peak_gb"] is None
+        assert r["engine"]["predicted_peak_gb"] > r["engine"]["predicted_step_peak_gb"]
+        assert r["engine_over_plain"] == r["engine"]["step_s"] / r["plain"]["step_s"]
+    # the memory variant's rows: 2 segments of L + 2m (RMT) rows against 1 of L tokens
+    assert rows["rmt-ckpt-last1"]["model_flops_per_step"] > 2 * rows["base"][
+        "model_flops_per_step"]
+
+
+@pytest.mark.slow
 def test_quick_mode_runs_every_part_on_the_cpu_and_writes_its_json(tmp_path):
     threads = torch.get_num_threads()
     try:
