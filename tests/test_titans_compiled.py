@@ -45,9 +45,8 @@ def _both(depth: int, chunk: int, n: int, clip=None, seed: int = 0):
     return runs
 
 
-@pytest.mark.parametrize("depth,chunk,n,clip", [(1, 1, 7, None), (2, 4, 11, None),
-                                                (3, 5, 10, None), (2, 16, 5, None),
-                                                (2, 4, 11, 0.5)])
+@pytest.mark.parametrize("depth,chunk,n,clip", [(1, 1, 7, None), (3, 5, 10, None),
+                                                (2, 16, 5, None), (2, 4, 11, 0.5)])
 def test_the_compiled_chunk_step_equals_the_token_by_token_float64_recurrence(depth, chunk,
                                                                              n, clip):
     """The compiled update equals Eq. 13-14 run token by token (the eager update's test and
@@ -147,3 +146,4 @@ def test_model_titans_compiled_chunks_trains_as_eager():
     assert compiled == pytest.approx(eager, rel=1e-6)
     for a, b in zip(compiled_grads, eager_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
