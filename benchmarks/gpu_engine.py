@@ -22,7 +22,8 @@ steps: --steps timed steps (median step_s; CUDA wall time after a synchronize, C
 time, benchmarks/common.py `step_clock`); the forward share (the window's forwards until
 its backward starts, over the step); the peak over one step, with the weights, optimizer
 state and carried memory (`peak_gb`: CUDA max_memory_allocated; CPU the process's peak
-RSS) and without them (`step_peak_gb`: that peak above what was held before the step);
+RSS) and without them (`step_peak_gb`: that peak above `held_gb`, what was held before the
+step: a variant's held memory also shows what an earlier one left allocated);
 beside each, the planner's prediction (planner/: `predicted_peak_gb` its model states of
 the run's ZeRO stage plus the carried memory plus the window's peak, for the engine only,
 since it plans DeepSpeed's states, not torch Adam's; `predicted_step_peak_gb` the window's
@@ -148,7 +149,7 @@ def timed(step, memory: Memory, o) -> dict:
     return {"step_s": statistics.median(times), "steps_s": list(times),
             "forward_share": statistics.median(f / t for f, t in zip(forwards, times,
                                                                        strict=True)),
-            "peak_gb": peak / GB, "step_peak_gb": (peak - held) / GB}
+            "peak_gb": peak / GB, "step_peak_gb": (peak - held) / GB, "held_gb": held / GB}
 
 
 def measure_plain(a, path, variant, n, o, memory) -> dict:

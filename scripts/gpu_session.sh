@@ -13,7 +13,9 @@
 # Titans' chunk loop, eager against compiled (below; docs/titans.md, "The compiled chunk").
 # With FUSED=1 only a pretrained GPT-2's training step, fused GELU off/on x regional compile
 # off/on, and the cold compile (below; docs/pretrained.md, "Fused activation and regional
-# compilation").
+# compilation"). With ENGINE=1 only gpu_scale.py's engine part at GPT-2-124M's shape:
+# memtrain's own training step beside the plain-torch step (below; BENCHMARKS.md, "On a GPU
+# at realistic shapes").
 # Steps 2 and 3 run side by side (16 host cores are enough; their timings are not reported).
 #
 #   bash scripts/gpu_session.sh [OUT_DIR]        # PY=python to use (default .venv/bin/python)
@@ -37,6 +39,15 @@ cd "$REPO" || exit 1
 # have come (a device call carries at most 64 MiB: the parts come in two calls), then the
 # run with PARTS (default all four) in BUDGET seconds (default 540) and SCALE_ARGS (more flags
 # of gpu_scale.py: "--quick --device cpu" rehearses this path on a CPU). OUT_DIR gets its JSON.
+# ENGINE=1: the SCALE path below (the staged wheels: DeepSpeed), its engine part only
+# (benchmarks/gpu_engine.py) at GPT-2-124M: the DeepSpeed engine at ZeRO-1, bf16, gradient
+# clipping and the training loop's micro-step, beside the eager bf16 + torch Adam step, base
+# model and RMT over 8 checkpointed segments of 1,024 (batch 8): median step_s of 5 steps,
+# forward share, peaks with and without weights beside the planner's. BUDGET default 300.
+if [ "${ENGINE:-0}" = 1 ]; then
+  SCALE=1 PARTS=${PARTS:-engine} BUDGET=${BUDGET:-300}
+  SCALE_ARGS="--shapes gpt2-124m ${SCALE_ARGS:-}"
+fi
 if [ "${SCALE:-0}" = 1 ]; then
   STAGE=${STAGE:-$REPO/gpu-stage}
   KEEP=${KEEP:-/tmp/gpu-stage}
