@@ -154,26 +154,30 @@ def _silu_grad(z: torch.Tensor) -> torch.Tensor:
     return s * (1 + z * (1 - s))
 
 
-def surprise_factors(weights: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor
-                     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+def surprise_factors(weights: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+                     q: torch.Tensor | None = None):
     """The gradient of Eq. 12 at `weights`, for every token at once, as factors: for matrix
     i, (a [B, n, d_in_i], delta [B, n, d_out_i]) with grad_i(token t) = a_t^T delta_t (the
     backward of the MLP written out, so the outer training differentiates through it).
-    Also returns the per-token loss [B, n]."""
-    inputs, pre, x = [], [], k
+    Also returns the per-token loss [B, n], and the reads M(q) [B, m, d_out] of the rows q
+    [B, m, d_in] (None without q): at the same weights, so through the same matmuls (the
+    rows of q before those of k, one matmul per matrix for both)."""
+    m = 0 if q is None else q.shape[1]
+    tokens = (lambda t: t) if q is None else (lambda t: t[:, m:])    # the rows of k
+    inputs, pre, x = [], [], k if q is None else torch.cat([q, k], dim=1)
     for i, w in enumerate(weights):
-        inputs.append(x)
+        inputs.append(tokens(x))
         z = torch.bmm(x, w)
-        pre.append(z)
+        pre.append(tokens(z))
         x = F.silu(z) if i < len(weights) - 1 else z
-    err = x - v
+    err = tokens(x) - v
     delta = 2 * err                                   # d ||M(k) - v||^2 / d M(k)
     factors = [None] * len(weights)
     for i in range(len(weights) - 1, -1, -1):
         factors[i] = (inputs[i], delta)
         if i:
             delta = torch.bmm(delta, weights[i].transpose(1, 2)) * _silu_grad(pre[i - 1])
-    return factors, err.square().sum(-1)
+    return factors, err.square().sum(-1), (x[:, :m] if q is not None else None)
 
 
 def chunk_weights(theta: torch.Tensor, log_eta: torch.Tensor, log_keep: torch.Tensor):
@@ -209,15 +213,22 @@ def chunks_weights(theta: torch.Tensor, log_eta: torch.Tensor, log_keep: torch.T
     return out
 
 
-def update_chunk(weights: list[torch.Tensor], momentum: list[torch.Tensor], k, v, coeffs,
-                 max_grad_norm: float | None = None
-                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(M_end, S_end) after one chunk of the tokens k, v [B, b, d] (Eq. 13-14, chunked
-    §3.2) with the chunk's `coeffs` (chunk_weights): every gradient at `weights`, the
-    chunk's start. `max_grad_norm`: each token's gradient of each matrix scaled to at
-    most that Frobenius norm (|a_t^T delta_t| = |a_t| |delta_t|, so the clip is a factor
-    on the token's coefficient)."""
-    factors, _ = surprise_factors(weights, k, v)
+def update_chunk(weights: list[torch.Tensor], momentum: list[torch.Tensor],
+                 q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, coeffs,
+                 max_grad_norm: float | None = None, fused: bool = False):
+    """(M_end, S_end, reads) after one chunk of the tokens k, v [B, b, d] (Eq. 13-14,
+    chunked §3.2) with the chunk's `coeffs` (chunk_weights): every gradient at `weights`,
+    the chunk's start, and the reads M*(q) of the rows q at those weights (None without q).
+    `max_grad_norm`: each token's gradient of each matrix scaled to at most that Frobenius
+    norm (|a_t^T delta_t| = |a_t| |delta_t|, so the clip is a factor on the token's
+    coefficient). `fused`: the reads share the surprise's matmuls and the two sums of
+    gradients one matmul per matrix (fewer kernels, for the compiled step; eager, the extra
+    concatenations and slices cost more ops than the matmuls they save)."""
+    if fused:
+        factors, _, read = surprise_factors(weights, k, v, q)
+    else:
+        read = mlp(weights, q) if q is not None else None
+        factors, _, _ = surprise_factors(weights, k, v)
     w_s, w_m, e_end, c_s0, a_end = coeffs
     new_w, new_s = [], []
     for w0, s0, (a, delta) in zip(weights, momentum, factors, strict=True):
@@ -226,23 +237,25 @@ def update_chunk(weights: list[torch.Tensor], momentum: list[torch.Tensor], k, v
         if max_grad_norm is not None:
             norm = a.norm(dim=-1) * delta.norm(dim=-1)                # [B, b]
             clip = (max_grad_norm / norm.clamp(min=1e-12)).clamp(max=1.0)
-        g_s = torch.bmm(at * (w_s * clip)[:, None], delta)            # sum_i w_S,i g_i
-        g_m = torch.bmm(at * (w_m * clip)[:, None], delta)
+        if fused:   # both sums in one matmul: a^T [w_S delta | w_M delta]
+            coef = [(w * clip)[..., None] * delta for w in (w_s, w_m)]
+            g_s, g_m = torch.bmm(at, torch.cat(coef, dim=-1)).split(delta.shape[-1], dim=-1)
+        else:
+            g_s = torch.bmm(at * (w_s * clip)[:, None], delta)        # sum_i w_S,i g_i
+            g_m = torch.bmm(at * (w_m * clip)[:, None], delta)
         new_s.append(e_end[:, None, None] * s0 - g_s)
         new_w.append(a_end[:, None, None] * w0 + c_s0[:, None, None] * s0 - g_m)
-    return new_w, new_s
+    return new_w, new_s, read
 
 
 def chunk_step(weights: list[torch.Tensor], momentum: list[torch.Tensor],
                q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, coeffs,
                max_grad_norm: float | None = None):
-    """One chunk of the loop (§3.2): the reads M*(q) with the chunk's start weights (None
-    without q), then (M_end, S_end) of `update_chunk`. Every full chunk calls it with the
-    same shapes, so `model.titans.compiled_chunks` compiles it once and reuses it for every
-    chunk of every layer (model/compiled.py `compiled_chunk_step`)."""
-    read = mlp(weights, q) if q is not None else None
-    new_w, new_s = update_chunk(weights, momentum, k, v, coeffs, max_grad_norm)
-    return new_w, new_s, read
+    """One chunk of the loop (§3.2) as `model.titans.compiled_chunks` compiles it:
+    `update_chunk`, fused. Every full chunk calls it with the same shapes, so it is compiled
+    once and reused for every chunk of every layer (model/compiled.py
+    `compiled_chunk_step`)."""
+    return update_chunk(weights, momentum, q, k, v, coeffs, max_grad_norm, fused=True)
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -375,13 +388,13 @@ class NeuralMemory(nn.Module):
         b = self.chunk_size
         coeffs = chunks_weights(theta, log_eta, log_keep, b)
         qs = q.split(b, dim=1) if q is not None else None
-        full = chunk_step
+        full = last = update_chunk
         if self.compile_backend is not None and torch.is_grad_enabled():
-            full = compiled_chunk_step(self.compile_backend)
+            full, last = compiled_chunk_step(self.compile_backend), chunk_step
         reads = []
         for c, (kc, vc) in enumerate(zip(k.split(b, dim=1), v.split(b, dim=1), strict=True)):
             # A shorter last chunk (once per segment) runs eager: no graph of its own.
-            step = full if kc.shape[1] == b else chunk_step
+            step = full if kc.shape[1] == b else last
             qc = qs[c] if qs is not None else None
             weights, momentum, r = step(weights, momentum, qc, kc, vc, coeffs[c],
                                         self.max_grad_norm)
