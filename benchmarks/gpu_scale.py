@@ -28,24 +28,16 @@ Parts, the most valuable first (a run cut off early still returns the first ones
             micro-step) beside this plain step, per shape: median step_s, forward share,
             peaks with and without the weights beside the planner's.
 
-MFU (PaLM, Chowdhery et al. 2022, Appendix B: model FLOPs, recompute not counted;
-train/throughput.py's formula, the one `memtrain train` logs):
-
-    flops per text token  = 6 N + 12 l d L
-    MFU                   = text tokens/s x that / peak bf16 FLOP/s of the GPU
-
-N = the parameters of the matrix products (every parameter but the embedding tables, plus
-the head's d x V, tied or not), l layers of width d, L the tokens a text token attends over
-(its segment: PaLM's convention, the causal half not subtracted). The memory rows are
-counted separately, `mfu_memory_rows`: r extra rows per segment (RMT 2m, ARMT m) cost
-6 N_body r, and every row's attention grows from L to L + r:
-
-    memory FLOPs per segment = 6 N_body r + 12 l d ((L + r)^2 - L^2),   N_body = N - d V
+MFU (PaLM, Chowdhery et al. 2022, Appendix B; train/throughput.py's formula, the one
+`memtrain train` logs, recompute not counted): `mfu` counts the text tokens' FLOPs,
+6 N + 12 l d L per token (N the matrix-product parameters, the head's d x V included;
+L the segment, the causal half not subtracted); `mfu_memory_rows` the r rows a segment
+adds (RMT 2m, ARMT m): 6 N_body r + 12 l d ((L + r)^2 - L^2) per segment, N_body = N - d V.
 
 Peaks (dense bf16 tensor-core FLOP/s, NVIDIA's datasheets): train/throughput.py's
-PEAK_TFLOPS; a GPU not listed
-gets MFU null. Budget: no part starts when less than its minimum is left of --budget-s, and
-a part's own loop stops early on its share (PART_SHARE): each part's JSON says what ran.
+PEAK_TFLOPS; a GPU not listed gets MFU null. Budget: no part starts when less than its
+minimum is left of --budget-s, and a part's own loop stops early on its share (PART_SHARE):
+each part's JSON says what ran.
 """
 
 from __future__ import annotations
