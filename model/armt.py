@@ -44,7 +44,7 @@ def associative_layer(cfg: ModelConfig) -> AssociativeLayer:
     o = cfg.armt
     return AssociativeLayer(cfg.d_model, o.d_key, feature_map=o.feature_map, nu=o.nu,
                             use_gate=o.gate, correction=o.correction,
-                            authors_gamma=o.authors_gamma)
+                            authors_gamma=o.authors_gamma, read_precision=o.read_precision)
 
 
 def memory_token_inputs(memory_init: torch.Tensor, state: AssociativeMemory, bsz: int,
@@ -142,8 +142,9 @@ class ARMT(RelativeBackbone):
 
         token_inputs, A_new, z_new, h = [], [], [], x
         bias = self.bias_tensors()
+        A_in, z_in = state.layers()
         for i, (layer, block) in enumerate(zip(self.layers, self.associative, strict=True)):
-            A_i, z_i = state.layer(i)
+            A_i, z_i = A_in[i], z_in[i]
             h = block.read(A_i, z_i, h)
             token_inputs.append(h[:, :n_tok])
             u, v = self.biases(i, bias)

@@ -59,6 +59,10 @@ from .memory import MemoryState, XLMemory, _register, _zero_rows
 
 EPS = 1e-5  # the authors' code adds 1e-5 to every denominator
 FEATURE_MAPS = ("dpfp", "identity", "elu")
+# The read's operands (AssociativeLayer.retrieve): "fp32" as the module docstring says;
+# "bf16": phi(q), A and z rounded to bf16 and one bf16 matmul (fp32 accumulation) for
+# phi^T [A | z]; the write and the state stay float32 (docs/armt.md, "The read in bf16").
+READ_PRECISIONS = ("fp32", "bf16")
 
 
 def dpfp(x: torch.Tensor, nu: int = 3) -> torch.Tensor:
@@ -132,8 +136,17 @@ class AssociativeMemory(MemoryState):
                    writes=torch.zeros(batch, dtype=torch.long, device=device))
 
     def layer(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A_l [B, d_phi, d_v], z_l [B, d_phi]) of layer l."""
+        """(A_l [B, d_phi, d_v], z_l [B, d_phi]) of layer l. A segment that reads every
+        layer takes `layers()` instead: each `A[:, l]` here is a select whose backward
+        zero-fills a whole [B, n_layer, d_phi, d_v] gradient."""
         return self.A[:, l], self.z[:, l]
+
+    def layers(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Every layer's A_l and z_l, as views from one `unbind` of A and of z. Its
+        backward is one stack of the per-layer gradients (|A| written once), where a select
+        per read and per write (`layer`) makes 2 n_layer zero-filled |A|-sized gradients
+        and their sum (docs/armt.md, "State traffic in backward")."""
+        return self.A.unbind(1), self.z.unbind(1)
 
     def written(self, A_layers: list[torch.Tensor], z_layers: list[torch.Tensor],
                 cache: XLMemory | None = None,
@@ -169,8 +182,13 @@ class AssociativeLayer(nn.Module):
 
     def __init__(self, d_model: int, d_key: int, d_value: int | None = None,
                  feature_map: str = "dpfp", nu: int = 3, use_gate: bool = True,
-                 correction: bool = True, eps: float = EPS, authors_gamma: bool = False):
+                 correction: bool = True, eps: float = EPS, authors_gamma: bool = False,
+                 read_precision: str = "fp32"):
         super().__init__()
+        if read_precision not in READ_PRECISIONS:
+            raise ValueError(f"read precision {read_precision!r}; expected one of "
+                             f"{READ_PRECISIONS}")
+        self.read_precision = read_precision
         self.phi = FeatureMap(feature_map, nu)
         self.d_model, self.d_key = d_model, d_key
         self.d_phi = self.phi.out_dim(d_key)
@@ -210,9 +228,25 @@ class AssociativeLayer(nn.Module):
         """o_t = phi(W_q h_t)^T A / (phi(W_q h_t)^T z + eps): [B, T, d_v], float32 (or
         float64 when A or hidden are)."""
         ct = self._compute_dtype(A, hidden)
+        if self.read_precision == "bf16" and ct == torch.float32:
+            return self._retrieve_bf16(A, z, hidden)
         f = self.phi(self.q_proj(hidden).to(ct))
         num, den = self._lookup(A.to(ct), z.to(ct), f)
         return num / (den + self.eps)[..., None]
+
+    def _retrieve_bf16(self, A: torch.Tensor, z: torch.Tensor, hidden: torch.Tensor
+                       ) -> torch.Tensor:
+        """The read with bf16 operands (`read_precision="bf16"`): phi in bf16, then phi^T A
+        and phi^T z as one bmm against [A | z] [B, d_phi, d_v + 1] rounded to bf16, whose
+        products accumulate in fp32 on a GPU; the quotient in float32. Each operand is
+        rounded once (relative 2^-9), nothing is summed across segments in bf16: the state
+        A, z and the write stay float32. Drift against the fp32 read over 512 segments:
+        tests/test_armt_costs.py."""
+        bf = torch.bfloat16
+        f = self.phi(self.q_proj(hidden).to(bf))                        # [B, n, d_phi]
+        Az = torch.cat([A.to(bf), z.to(bf)[..., None]], dim=-1)         # [B, d_phi, d_v+1]
+        out = torch.bmm(f, Az).float()
+        return out[..., :-1] / (out[..., -1:] + self.eps)
 
     def read(self, A: torch.Tensor, z: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """hidden + o (through the output projection if d_value != d_model), in hidden's

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..associative import AssociativeMemory
+from ..associative import READ_PRECISIONS, AssociativeMemory
 from ..typed import ConfigError
 from .registry import AuthorsCheckpoint, Mechanism, register
 from .rmt import (
@@ -79,6 +79,11 @@ class ARMTOptions:
     # the last m rows of a learned position table (the authors' wrap_pos, which appends m
     # rows to GPT-2's table for the memory). model/pretrained/positions.py.
     memory_positions: str = "fixed"
+    # The operands of the associative read: "fp32" (exact, the default) or "bf16" (phi(q),
+    # A and z rounded to bf16 for one tensor-core matmul; the state and the write stay
+    # float32). Its drift against fp32 over 512 segments is measured and bounded in
+    # tests/test_armt_costs.py; docs/armt.md, "The read in bf16".
+    read_precision: str = "fp32"
 
 
 def token_field(cfg) -> str:
@@ -132,6 +137,9 @@ class ARMT(Mechanism):
         if cfg.rmt.mem_loss_weight:
             raise ConfigError("model.rmt.mem_loss_weight", "the auxiliary memory loss is "
                               "RMT's (§3.4); ARMT has none")
+        if o.read_precision not in READ_PRECISIONS:
+            raise ConfigError("model.armt.read_precision", f"unknown {o.read_precision!r}; "
+                              f"choose one of {', '.join(READ_PRECISIONS)}")
         if o.memory_positions not in ARMT_MEMORY_POSITIONS:
             raise ConfigError("model.armt.memory_positions", f"unknown {o.memory_positions!r}; "
                               f"choose one of {', '.join(ARMT_MEMORY_POSITIONS)}")
@@ -167,7 +175,7 @@ class ARMT(Mechanism):
     def pretrained_decode(self, lm, emb, state):
         from ..armt import memory_token_inputs
         from ..pretrained.associative import associative_pass
-        from ..pretrained.positions import armt_position_ids
+        from ..pretrained.positions import armt_position_ids, causal_attention
         from ..rmt import write_rows
         cfg = lm.cfg
         bsz, n_tok, _ = emb.shape
@@ -177,15 +185,15 @@ class ARMT(Mechanism):
         positions = armt_position_ids(self.num_mem_tokens(cfg), n_tok, cfg.tgt_len,
                                       emb.device, cfg.armt.memory_positions,
                                       lm.base.config.max_position_embeddings)
-        # An all-ones padding mask: the model's own causal mask, and no packed-sequence
-        # split at the positions' jump (positions.py).
-        ones = torch.ones(bsz, x.shape[1], dtype=torch.long, device=emb.device)
+        # The model's own causal mask with no host read of a mask or of the positions, and
+        # no packed-sequence split at the positions' jump (positions.py).
         layers = lm.base.base_model.get_submodule(lm.layers_name)
         # With the layers checkpointed (HF gradient checkpointing), the hooks' read and
         # write are too (associative.py).
         ckpt = cfg.checkpoint_layers and lm.training and torch.is_grad_enabled()
-        with associative_pass(layers, lm.associative, state, n_tok, ckpt) as writes:
-            h = lm.base.base_model(inputs_embeds=x, attention_mask=ones,
+        with associative_pass(layers, lm.associative, state, n_tok, ckpt) as writes, \
+                causal_attention(lm.base, x.shape[1], x.dtype, x.device) as mask:
+            h = lm.base.base_model(inputs_embeds=x, attention_mask=mask,
                                    position_ids=positions.expand(bsz, -1), use_cache=False)[0]
         carried = write_rows(h, n_tok) if cfg.armt.carry_tokens else None
         return h[:, :n_tok], writes.state(state, tokens=carried)

@@ -16,6 +16,7 @@ positions): the plain base model, the baseline without memory.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -147,7 +148,11 @@ class RMT(Mechanism):
         return initial_memory(batch_size, self.num_mem_tokens(lm.cfg), lm.cfg.d_model, device)
 
     def pretrained_decode(self, lm, emb, state):
-        from ..pretrained.positions import memory_attention_mask, memory_position_ids
+        from ..pretrained.positions import (
+            causal_attention,
+            memory_attention_mask,
+            memory_position_ids,
+        )
         from ..rmt import memory_inputs, write_rows
         bsz, n_tok, _ = emb.shape
         m, base = self.num_mem_tokens(lm.cfg), lm.base
@@ -160,8 +165,11 @@ class RMT(Mechanism):
         positions = memory_position_ids(m, n_tok, lm.cfg.tgt_len, emb.device, pattern)
         mask = memory_attention_mask(m, n_tok, emb.dtype, base.config._attn_implementation,
                                      emb.device, pattern)
-        h = base.base_model(inputs_embeds=x, attention_mask=mask,
-                            position_ids=positions.expand(bsz, -1), use_cache=False)[0]
+        # "causal": the base model's own mask, built with no host read (positions.py).
+        with (nullcontext(mask) if mask is not None else
+              causal_attention(base, x.shape[1], x.dtype, x.device)) as mask:
+            h = base.base_model(inputs_embeds=x, attention_mask=mask,
+                                position_ids=positions.expand(bsz, -1), use_cache=False)[0]
         return h[:, m:m + n_tok], RMTMemory(tokens=write_rows(h, m + n_tok),
                                             fresh=torch.zeros_like(state.fresh))
 

@@ -81,13 +81,16 @@ def associative_pass(layers: nn.ModuleList, blocks: nn.ModuleList, state: Associ
     runs over token rows only (the open segment of a generation, incremental.py), whose
     memory rows come later; the writes stay empty."""
     writes = SegmentWrites(A=[None] * len(layers), z=[None] * len(layers))
+    # One unbind for every hook (AssociativeMemory.layers), inside the segment's forward, so
+    # a checkpointed segment's re-run makes its own.
+    A_in, z_in = state.layers()
 
     def run(fn, *args):
         return _checkpoint(fn, *args, use_reentrant=False) if checkpoint else fn(*args)
 
     def read_hook(i: int, block: AssociativeLayer):
         def hook(module, args, kwargs):
-            A, z = state.layer(i)
+            A, z = A_in[i], z_in[i]
             if args:   # the hidden states come first, positionally or by name
                 return (run(block.read, A, z, args[0]), *args[1:]), kwargs
             return args, {**kwargs,
@@ -96,7 +99,7 @@ def associative_pass(layers: nn.ModuleList, blocks: nn.ModuleList, state: Associ
 
     def write_hook(i: int, block: AssociativeLayer):
         def hook(module, args, output):
-            A, z = state.layer(i)
+            A, z = A_in[i], z_in[i]
             writes.A[i], writes.z[i] = run(block.write, A, z, _hidden(output)[:, n_tok:])
         return hook
 

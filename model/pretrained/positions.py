@@ -39,11 +39,21 @@ transformers reads such a jump in position ids given WITHOUT an attention mask a
 of another packed sequence and would cut the memory off from the tokens
 (masking_utils `find_packed_sequence_indices`), so the wrapper passes an all-ones 2-D
 padding mask, from which the model builds its plain causal mask.
+
+That padding mask costs a host sync per forward: transformers decides whether SDPA may run
+with `is_causal` instead of a mask by reading the mask's values (masking_utils
+`_ignore_causal_mask_sdpa`), and with no mask it reads the position ids for packed
+sequences instead. `causal_attention` gives the base model its plain causal attention
+with neither read (docs/armt.md, "Host syncs"): for SDPA the same kernel call with
+`is_causal` that the all-ones mask leads to, for the eager kernel the additive causal mask
+transformers would build from it, given as a 4-D mask that it uses as is.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -88,3 +98,44 @@ def memory_attention_mask(m: int, n_tok: int, dtype: torch.dtype, attn_implement
         return allowed
     blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device)
     return torch.where(allowed, torch.zeros((), dtype=dtype, device=device), blocked)
+
+
+# An attention implementation that is transformers' own SDPA function under a name with no
+# mask function registered: masking_utils `_preprocess_mask_arguments` then returns no mask
+# before it reads the padding mask or the position ids, and the SDPA call with no mask runs
+# `is_causal`, exactly what the all-ones padding mask leads to after its read.
+SDPA_CAUSAL = "memtrain_sdpa_causal"
+
+
+def _register_sdpa_causal() -> None:
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    if AttentionInterface._global_mapping.get(SDPA_CAUSAL) is not sdpa_attention_forward:
+        AttentionInterface.register(SDPA_CAUSAL, sdpa_attention_forward)
+
+
+@contextmanager
+def causal_attention(base, n_rows: int, dtype: torch.dtype, device=None
+                     ) -> Iterator[torch.Tensor | None]:
+    """For one forward of `base` (no KV cache) over n_rows rows under its own causal mask:
+    yields the `attention_mask` to pass (module docstring). SDPA: None, with the config's
+    attention implementation set to SDPA_CAUSAL for the body of the with-block; a layer
+    re-run later (gradient checkpointing) under "sdpa" with the same None mask runs the
+    same call. Eager: the 4-D additive causal mask [1, 1, n, n] (0 / dtype min)."""
+    config = base.config
+    impl = config._attn_implementation
+    if impl == "eager":
+        allowed = torch.ones(n_rows, n_rows, dtype=torch.bool, device=device).tril()
+        blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=device)
+        yield torch.where(allowed, torch.zeros((), dtype=dtype, device=device),
+                          blocked)[None, None]
+        return
+    if impl != "sdpa":
+        raise ValueError(f"attention implementation {impl!r}: 'sdpa' or 'eager' "
+                         "(model.hf.attn_implementation)")
+    _register_sdpa_causal()
+    config._attn_implementation = SDPA_CAUSAL
+    try:
+        yield None
+    finally:
+        config._attn_implementation = impl

@@ -30,6 +30,7 @@ from torch import nn
 from ..neural_memory import NeuralMemoryState
 from ..shapes import MemoryRows, StatedBlock, TensorShape
 from .associative import _hidden, decoder_layers_name
+from .positions import causal_attention
 
 
 def parameters(cfg, base, memory_scale) -> dict:
@@ -112,12 +113,12 @@ def decode(lm, emb: torch.Tensor, state: NeuralMemoryState):
         bsz, -1, -1)]
     n_p = parts[0].shape[1] if parts else 0
     x = torch.cat([*parts, _interleave(torch.zeros_like(emb), emb)], dim=1)
-    # An all-ones padding mask: the model's own causal mask, and no packed-sequence split
-    # at the repeated positions.
-    ones = torch.ones(bsz, x.shape[1], dtype=torch.long, device=emb.device)
+    # The model's own causal mask with no host read of a mask or of the positions, and no
+    # packed-sequence split at the repeated positions (positions.py `causal_attention`).
     positions = position_ids(n_p, n_tok, emb.device).expand(bsz, -1)
-    with titans_pass(lm, state, n_p) as (weights, momentum, tails):
-        h = lm.base.base_model(inputs_embeds=x, attention_mask=ones, position_ids=positions,
+    with titans_pass(lm, state, n_p) as (weights, momentum, tails), \
+            causal_attention(lm.base, x.shape[1], x.dtype, x.device) as mask:
+        h = lm.base.base_model(inputs_embeds=x, attention_mask=mask, position_ids=positions,
                                use_cache=False)[0]
     if any(w is None for w in weights):
         raise RuntimeError("a decoder layer did not run: no memory update")
