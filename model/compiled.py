@@ -1,4 +1,5 @@
 """torch.compile for training: the decoder stack compiled in place, eager numerics kept.
+(Around a pretrained model, each decoder layer instead: model/pretrained/regional.py.)
 
 What is compiled is `MemoryLM.core` (the mechanism's layers and its memory bookkeeping):
 that is where the elementwise work between the matmuls lives (skew, masks, softmax,
@@ -153,9 +154,18 @@ def compiled_chunk_step(backend: str):
     chunk of every layer: the loop runs the graph once per chunk instead of the ~500 eager
     ops it was (docs/titans.md, "The compiled chunk"). fullgraph: a graph break would put
     the host back between the pieces, so it is an error, not a fallback. Called only with
-    gradients enabled (the training forward and its recomputation), as `compile_core`."""
+    gradients enabled (the training forward and its recomputation), as `compile_core`.
+
+    `chunk_step` itself where it cannot be compiled on its own: inside another compiled
+    graph (`model.compile` on the native stack traces the chunk loop into the stack's
+    graph) and under a Python dispatch mode (a selective `bptt.recompute` policy's,
+    model/recompute.py, which torch.compile does not trace)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from .neural_memory import chunk_step
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return chunk_step
     if backend not in _CHUNK_STEPS:
-        from .neural_memory import chunk_step
         _CHUNK_STEPS[backend] = torch.compile(chunk_step, backend=backend, fullgraph=True,
                                               dynamic=None)
     return _CHUNK_STEPS[backend]

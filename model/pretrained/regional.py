@@ -14,8 +14,8 @@ Why per layer, not the whole base model:
   embedding, the rotary table, the masks and the head stay eager too.
 - Inside a layer the compiler fuses what sits between the matmuls: LayerNorm or RMSNorm
   (RMSNorm's fp32 upcast included), the residual adds, GPT-2's activation, SwiGLU's SiLU
-  and product, dropout. (Liger Kernel's hand-written norms are not used: the compiled
-  layer already fuses them, on any device.)
+  and product, dropout, and peft's LoRA adapters' adds. (Liger Kernel's hand-written norms
+  are not used: the compiled layer already fuses them, on any device.)
 
 As for the native stack (model/compiled.py): only calls with gradients enabled go through
 the compiled code (evaluation and generation, with the KV cache, stay eager), parameter
@@ -44,10 +44,10 @@ def compile_decoder_layers(model: nn.Module, backend: str, compile_fn) -> int:
     layers."""
     layers = decoder_layers(model)
     kinds = {type(layer) for layer in layers}
-    # A graph per kind of layer and per shape of segment (a short last segment is one more;
-    # the second shape is compiled dynamic, model/compiled.py `_compile`), and one per kind
-    # of input a hook may hand it (a memory read with or without gradient): past torch's
-    # per-function limit a layer would silently run eager, so raise it (only ever raised).
+    # A graph per kind of layer and per shape of segment (the full one, then a short last
+    # segment, compiled with a dynamic length), with room for inputs that guard otherwise
+    # (e.g. with or without gradient): past torch's per-function limit a layer would
+    # silently run eager, so raise it (process-wide, only ever raised).
     needed = 4 * len(kinds) + 4
     if torch._dynamo.config.recompile_limit < needed:
         torch._dynamo.config.recompile_limit = needed
