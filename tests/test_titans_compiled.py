@@ -13,6 +13,7 @@ import pytest
 import torch
 from test_neural_memory import D_MODEL, _naive_inputs, _setup, naive
 from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import ModelConfig, build_model
 from model.compiled import compiled_graphs, graph_breaks
@@ -147,3 +148,27 @@ def test_model_titans_compiled_chunks_trains_as_eager():
     for a, b in zip(compiled_grads, eager_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
+
+
+class _Counting(TorchDispatchMode):
+    """A Python dispatch mode as a selective recompute policy's (model/recompute.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_under_a_python_dispatch_mode_the_chunk_step_runs_eager_and_equal():
+    """torch.compile does not trace under a non-infra dispatch mode (fullgraph would raise):
+    there the step runs eager, every op seen by the mode (a selective recompute policy
+    keeps and matches them), with the compiled run's result."""
+    (*_, want_reads, _), (mem, x, w0, s0, *_rest) = _both(2, 4, 11, clip=1.0)
+    mode = _Counting()
+    with mode:
+        _, _, reads = mem.update(w0, s0, x, read=x)
+    assert mode.ops > 200              # the chunks' ops, seen one by one (403 measured)
+    torch.testing.assert_close(reads, want_reads, rtol=1e-12, atol=1e-14)
