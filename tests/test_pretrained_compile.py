@@ -15,7 +15,7 @@ import pytest
 import torch
 from compile_helpers import graph_limit
 
-from model import ModelConfig, build_model
+from model import ConfigError, ModelConfig, build_model, resolve_shape
 from model.compiled import compile_core, compiled_graphs, graph_breaks
 from model.pretrained.regional import decoder_layers
 
@@ -182,3 +182,15 @@ def test_inductor_builds_the_compiled_gpt2_layer_with_eager_losses(ckpt):
                                          backend="inductor")
     assert compiled == pytest.approx(eager, rel=1e-5, abs=1e-6)
     assert graphs == [1, 1] and breaks == 0
+
+
+def test_the_config_takes_model_compile_around_a_pretrained_model(ckpt):
+    # Refused before regional compilation; the backend is checked by name once the
+    # checkpoint's shape is read.
+    section = {"mechanism": "rmt", "backbone": "hf", "tgt_len": TGT, "mem_len": 0,
+               "rmt": {"num_mem_tokens": 2}, "hf": {"path": str(ckpt["gpt2"])},
+               "compile": True, "compile_backend": "aot_eager"}
+    assert resolve_shape(ModelConfig.from_dict(section)).compile
+    with pytest.raises(ConfigError) as err:
+        resolve_shape(ModelConfig.from_dict({**section, "compile_backend": "eager"}))
+    assert err.value.field == "model.compile_backend"
