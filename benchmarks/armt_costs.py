@@ -5,7 +5,8 @@ counted on the CPU"; BENCHMARKS.md, "ARMT: state traffic, host syncs, live bytes
    state's bytes), with A_l taken by a select per use (before) and by one unbind;
 2. host syncs in the forward and backward of a 4-segment window around a pretrained model
    (RMT, RMT with the authors' causal pattern, ARMT, Titans; segment checkpointing);
-3. bytes alive after the forward of a checkpointed window, per extra segment;
+3. bytes alive after the forward of a checkpointed window, per extra segment (ARMT with
+   and without `model.armt.offload_state`);
 4. drift of the bf16 read against the fp32 read over 512 segments.
 
 Tiny random checkpoints (GPT-2 family; 12 layers for 1, as GPT-2-124M), run in this process.
@@ -26,6 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torch  # noqa: E402
 from test_armt_costs import (  # noqa: E402
+    host_store,
     live_after_forward,
     native_armt,
     per_segment,
@@ -67,12 +69,18 @@ def syncs(tmp: Path) -> None:
 
 
 def live(tmp: Path) -> None:
+    """With `offload_state`, host memory is stood in by numpy arrays (test_armt_costs.py
+    `host_store`: on the CPU the host is the device)."""
+    import pytest
     path = tiny_gpt2(tmp / "gpt2", tied=False)
     print("| mechanism | alive after the forward, 2 segments | 8 segments | per extra "
           "segment | the state handed on |\n|---|---|---|---|---|")
-    for mech in ("rmt", "armt"):
-        (a2, state), (a8, _) = (live_after_forward(path, mech, n) for n in (2, 8))
-        print(f"| {mech} | {a2} B | {a8} B | {(a8 - a2) / 6:.0f} B | {state} B |")
+    with pytest.MonkeyPatch.context() as mp:
+        host_store(mp)
+        for mech, armt in (("rmt", {}), ("armt", {}), ("armt", {"offload_state": True})):
+            (a2, state), (a8, _) = (live_after_forward(path, mech, n, **armt) for n in (2, 8))
+            name = mech + (" offload_state" if armt else "")
+            print(f"| {name} | {a2} B | {a8} B | {(a8 - a2) / 6:.0f} B | {state} B |")
 
 
 def drift() -> None:

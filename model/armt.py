@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .associative import AssociativeLayer, AssociativeMemory
+from .associative import AssociativeLayer, AssociativeMemory, checkpoint_first_run
 from .backbone import Lengths, RelativeBackbone, causal_allowed
 from .config import ModelConfig
 from .positional import distance_list
@@ -128,6 +128,7 @@ class ARMT(RelativeBackbone):
         bsz, n_tok, _ = h0.shape
         if state is None:
             state = self.empty_state(bsz, h0.device)
+        state.resident()          # after `offload`: this is a checkpointed segment's re-run
         mem_in = memory_token_inputs(self.memory_init(), state, bsz,
                                      self.cfg.armt.carry_tokens, h0.dtype)
         x = torch.cat([h0, mem_in], dim=1)
@@ -158,4 +159,7 @@ class ARMT(RelativeBackbone):
         tokens = None
         if self.cfg.armt.carry_tokens:
             tokens = write_rows(h, n_tok, self.memory_layer_norm)
-        return h[:, :n_tok], state.written(A_new, z_new, cache=new_cache, tokens=tokens)
+        new_state = state.written(A_new, z_new, cache=new_cache, tokens=tokens)
+        if self.cfg.armt.offload_state and checkpoint_first_run():
+            state.offload()       # the checkpoint keeps this object for the re-run
+        return h[:, :n_tok], new_state

@@ -61,7 +61,7 @@ EPS = 1e-5  # the authors' code adds 1e-5 to every denominator
 FEATURE_MAPS = ("dpfp", "identity", "elu")
 # The read's operands (AssociativeLayer.retrieve): "fp32" as the module docstring says;
 # "bf16": phi(q), A and z rounded to bf16 and one bf16 matmul (fp32 accumulation) for
-# phi^T [A | z]; the write and the state stay float32 (docs/armt.md, "The read in bf16").
+# phi^T [A | z]; the write and the state stay float32 (docs/armt-costs.md, "The read in bf16").
 READ_PRECISIONS = ("fp32", "bf16")
 
 
@@ -145,7 +145,7 @@ class AssociativeMemory(MemoryState):
         """Every layer's A_l and z_l, as views from one `unbind` of A and of z. Its
         backward is one stack of the per-layer gradients (|A| written once), where a select
         per read and per write (`layer`) makes 2 n_layer zero-filled |A|-sized gradients
-        and their sum (docs/armt.md, "State traffic in backward")."""
+        and their sum (docs/armt-costs.md, "State traffic in backward")."""
         return self.A.unbind(1), self.z.unbind(1)
 
     def written(self, A_layers: list[torch.Tensor], z_layers: list[torch.Tensor],
@@ -157,6 +157,33 @@ class AssociativeMemory(MemoryState):
         return AssociativeMemory(A=torch.stack(A_layers, dim=1), z=torch.stack(z_layers, dim=1),
                                  writes=self.writes + 1, tokens=tokens, cache=cache)
 
+    # -- kept off the device while a checkpointed segment waits for its backward ---------
+    # A segment checkpointed with torch.utils.checkpoint keeps its arguments for the re-run
+    # in backward, this state among them: |A| per segment of a BPTT window, where RMT keeps
+    # m x d (docs/armt-costs.md, "Peak under segment checkpointing"). With
+    # `model.armt.offload_state` the segment's forward ends by moving its incoming A and z
+    # to host memory (`offload`); the re-run starts by moving them back (`resident`).
+    # Copies both ways, so the re-run reads the same bits. In place: the checkpoint holds
+    # this object, not its tensors.
+    _home: ClassVar[tuple | None] = None
+
+    def offload(self) -> None:
+        """Move A and z to host memory, in place (no-op if they are there already)."""
+        if self._home is None:
+            self._home = (self.A.device, self.A.requires_grad, self.z.requires_grad)
+            self.A, self.z = to_host(self.A), to_host(self.z)
+
+    def resident(self) -> AssociativeMemory:
+        """A and z back on their device after `offload` (in place; returns self). They come
+        back as leaves with the requires_grad they had: the re-run must save for backward
+        what the first run saved, and its gradients go through the first run's graph."""
+        if self._home is not None:
+            device, grad_a, grad_z = self._home
+            self.A = from_host(self.A, device).requires_grad_(grad_a)
+            self.z = from_host(self.z, device).requires_grad_(grad_z)
+            self._home = None
+        return self
+
     def reset_rows(self, mask: torch.Tensor) -> AssociativeMemory:
         # Zeroed with torch.where, so a NaN/Inf in a reset row (an overflow) is replaced, not
         # multiplied; A = 0, z = 0 is exactly a fresh document (module docstring). Carried
@@ -167,6 +194,33 @@ class AssociativeMemory(MemoryState):
                                  writes=torch.where(m, torch.zeros_like(self.writes),
                                                     self.writes),
                                  tokens=self.tokens, cache=cache)
+
+
+def to_host(t: torch.Tensor):
+    """A copy of t in (pinned) host memory, queued on the current stream: no host wait, and
+    the caching allocator reuses t's block only for work queued after the copy. A tensor
+    already on the host stays as it is (nothing to free)."""
+    if t.device.type == "cpu":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return out.copy_(t.detach(), non_blocking=True)
+
+
+def from_host(t, device) -> torch.Tensor:
+    """`to_host`'s copy back on `device` (from pinned memory: no host wait)."""
+    return t.detach().to(device, non_blocking=True)
+
+
+def checkpoint_first_run() -> bool:
+    """Inside the first forward of a non-reentrant torch.utils.checkpoint region (its saved-
+    tensor hooks are the innermost ones), where the arguments are kept for a re-run; False
+    in the re-run, outside checkpointing, or if torch no longer exposes the hooks."""
+    try:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, RuntimeError):
+        return False
+    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith(
+        "_checkpoint_hook.")
 
 
 class AssociativeLayer(nn.Module):

@@ -150,22 +150,38 @@ def test_bf16_read_is_off_by_default_and_the_default_read_is_unchanged():
 
 
 # ------------------------------------------------------------------ peak under checkpointing
-def live_after_forward(path, mechanism: str, n: int) -> tuple[int, int]:
+def live_after_forward(path, mechanism: str, n: int, grads: bool = False, **armt):
     """(bytes alive after the forward of an n-segment checkpointed window, bytes of the
-    state one segment hands the next)."""
+    state one segment hands the next[, loss and gradients after the backward])."""
     torch.manual_seed(0)
     sec = hf_model_section(path, 3, 8)
     sec["mechanism"] = mechanism
     if mechanism == "armt":
-        sec["armt"] = {"d_key": 16}
+        sec["armt"] = {"d_key": 16, **armt}
     model = build_model(ModelConfig.from_dict(sec)).train()
+    if mechanism == "armt":
+        with torch.no_grad():
+            for block in model.associative:
+                block.v_proj.weight.normal_(0, 0.3)
     with LiveBytes() as live:
         res = run_window(model, None, segments(n, rows=4), torch.device("cpu"),
                          checkpoint_segments=True)
         alive = live.alive()
     st = res.state
     state = st.A.numel() * 4 + st.z.numel() * 4 if mechanism == "armt" else st.tokens.numel() * 4
-    return alive, state
+    if not grads:
+        return alive, state
+    res.loss.backward()
+    return alive, state, res.loss.detach(), [p.grad for p in model.parameters()]
+
+
+def host_store(monkeypatch):
+    """On the CPU the host is the device: `offload` would keep the tensors where they are.
+    Stand in for host memory with numpy arrays, which the live-bytes count (torch storages
+    made inside it) does not see, as a GPU's count does not see pinned host memory."""
+    import model.associative as assoc
+    monkeypatch.setattr(assoc, "to_host", lambda t: t.detach().numpy().copy())
+    monkeypatch.setattr(assoc, "from_host", lambda a, device: torch.from_numpy(a).to(device))
 
 
 def test_what_a_checkpointed_segment_keeps_is_its_incoming_state(tmp_path):
@@ -173,9 +189,30 @@ def test_what_a_checkpointed_segment_keeps_is_its_incoming_state(tmp_path):
     keeps per segment its incoming state (A, z: the checkpoint's argument, which its re-run
     in backward reads) plus what RMT keeps besides its own state (the rows the head reads):
     208,480 B = 199,680 + 8,772 (+ 28). This is why ARMT's peak grows with the window and
-    RMT's hardly does (docs/armt.md, "Peak under segment checkpointing")."""
+    RMT's hardly does (docs/armt-costs.md, "Peak under segment checkpointing")."""
     path = tiny_gpt2(Path(tmp_path) / "gpt2", tied=False)
     (r2, rmt_state), (r8, _) = (live_after_forward(path, "rmt", n) for n in (2, 8))
     (a2, state), (a8, _) = (live_after_forward(path, "armt", n) for n in (2, 8))
     rows, per_armt = (r8 - r2) / 6 - rmt_state, (a8 - a2) / 6
     assert per_armt == pytest.approx(rows + state, rel=1e-3), (per_armt, rows, state)
+
+
+def test_offloaded_state_keeps_what_a_checkpointed_segment_leaves_on_the_device_flat(
+        tmp_path, monkeypatch):
+    """`model.armt.offload_state`: per extra segment the device keeps only what RMT keeps
+    besides its state (the rows the head reads), not the incoming |A| (measured: 8,800 B
+    against 208,480 B without); loss and every gradient bit for bit those without."""
+    host_store(monkeypatch)
+    path = tiny_gpt2(Path(tmp_path) / "gpt2", tied=False)
+    (r2, rmt_state), (r8, _) = (live_after_forward(path, "rmt", n) for n in (2, 8))
+    rows = (r8 - r2) / 6 - rmt_state
+    kept, runs = {}, {}
+    for offload in (False, True):
+        a2, state = live_after_forward(path, "armt", 2, offload_state=offload)
+        a8, _, loss, grads = live_after_forward(path, "armt", 8, True, offload_state=offload)
+        kept[offload], runs[offload] = (a8 - a2) / 6, (loss, grads)
+    assert kept[True] <= rows + 0.05 * state and kept[False] >= rows + 0.95 * state, (
+        kept, rows, state)
+    assert torch.equal(runs[True][0], runs[False][0])
+    for a, b in zip(runs[True][1], runs[False][1], strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)

@@ -82,8 +82,13 @@ class ARMTOptions:
     # The operands of the associative read: "fp32" (exact, the default) or "bf16" (phi(q),
     # A and z rounded to bf16 for one tensor-core matmul; the state and the write stay
     # float32). Its drift against fp32 over 512 segments is measured and bounded in
-    # tests/test_armt_costs.py; docs/armt.md, "The read in bf16".
+    # tests/test_armt_costs.py; docs/armt-costs.md, "The read in bf16".
     read_precision: str = "fp32"
+    # Under segment checkpointing, move each segment's incoming A and z to host memory
+    # after its forward and back for its re-run in backward (model/associative.py
+    # `AssociativeMemory.offload`): the device then holds O(1) states instead of one per
+    # segment of the window, at the price of two copies of |A| per segment. Exact.
+    offload_state: bool = False
 
 
 def token_field(cfg) -> str:
@@ -174,10 +179,12 @@ class ARMT(Mechanism):
 
     def pretrained_decode(self, lm, emb, state):
         from ..armt import memory_token_inputs
+        from ..associative import checkpoint_first_run
         from ..pretrained.associative import associative_pass
         from ..pretrained.positions import armt_position_ids, causal_attention
         from ..rmt import write_rows
         cfg = lm.cfg
+        state = state.resident()
         bsz, n_tok, _ = emb.shape
         mem = memory_token_inputs(lm.memory_init(), state, bsz, cfg.armt.carry_tokens,
                                   emb.dtype)
@@ -196,7 +203,10 @@ class ARMT(Mechanism):
             h = lm.base.base_model(inputs_embeds=x, attention_mask=mask,
                                    position_ids=positions.expand(bsz, -1), use_cache=False)[0]
         carried = write_rows(h, n_tok) if cfg.armt.carry_tokens else None
-        return h[:, :n_tok], writes.state(state, tokens=carried)
+        new_state = writes.state(state, tokens=carried)
+        if cfg.armt.offload_state and checkpoint_first_run():
+            state.offload()
+        return h[:, :n_tok], new_state
 
     def pretrained_open_segment(self, lm, state):
         from ..pretrained.associative import associative_pass

@@ -44,7 +44,7 @@ That padding mask costs a host sync per forward: transformers decides whether SD
 with `is_causal` instead of a mask by reading the mask's values (masking_utils
 `_ignore_causal_mask_sdpa`), and with no mask it reads the position ids for packed
 sequences instead. `causal_attention` gives the base model its plain causal attention
-with neither read (docs/armt.md, "Host syncs"): for SDPA the same kernel call with
+with neither read (docs/armt-costs.md, "Host syncs"): for SDPA the same kernel call with
 `is_causal` that the all-ones mask leads to, for the eager kernel the additive causal mask
 transformers would build from it, given as a 4-D mask that it uses as is.
 """
