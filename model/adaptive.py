@@ -182,6 +182,12 @@ class AdaptiveSoftmax(nn.Module):
         for proj in self.out_projs:
             nn.init.normal_(proj, 0.0, proj_init_std)
 
+    @property
+    def head_width(self) -> int:
+        """Logits of the head softmax per row: the shortlist and one per tail cluster (the
+        whole vocabulary without clusters); what a chunk of rows costs (model/loss.py)."""
+        return self.shortlist + self.n_clusters - 1
+
     def _cluster_params(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(weight, bias) of every cluster. With div_val == 1 they are row blocks of one
         matrix, cut by ONE split: its backward writes the whole [vocab, d] gradient once

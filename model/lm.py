@@ -19,6 +19,7 @@ from torch import nn
 from .adaptive import AdaptiveEmbedding, AdaptiveSoftmax, tie_embeddings
 from .backbone import RelativeBackbone
 from .config import ModelConfig
+from .loss import chunk_rows, segment_nll
 from .memory import MemoryState
 from .segment_lm import LMOutput, SegmentLM, add_lm_loss
 
@@ -66,24 +67,28 @@ class MemoryLM(SegmentLM):
     def next_token_log_probs(self, tokens, state):
         """Only the last position through the (adaptive) softmax: the open segment of a
         generation is re-run per token, and [B, L, V] log-probs would be its largest cost."""
-        hidden, new_state = self.core(self.drop(self.embedding(tokens)), state, self.lengths)
+        hidden, new_state = self.decode(tokens, state)
         return self.softmax(hidden[:, -1]), new_state
 
-    def _forward(self, tokens, state, targets, loss_mask, return_log_probs) -> LMOutput:
+    def decode(self, tokens, state):
         # Embeddings are scaled by sqrt(d_model) inside AdaptiveEmbedding (XL code).
-        h0 = self.drop(self.embedding(tokens))
-        hidden, new_state = self.core(h0, state, self.lengths)
-        out = LMOutput(state=new_state)
-        bsz, seg = tokens.shape
-        flat = hidden.reshape(bsz * seg, -1)
+        return self.core(self.drop(self.embedding(tokens)), state, self.lengths)
+
+    def score(self, hidden, state, targets, loss_mask, return_log_probs) -> LMOutput:
+        out = LMOutput(state=state)
         if return_log_probs:
-            out.log_probs = self.softmax(flat).view(bsz, seg, -1)
+            out.log_probs = self.softmax(hidden.reshape(-1, hidden.shape[-1])
+                                         ).view(*hidden.shape[:2], -1)
         if targets is None:
             return out
-        add_lm_loss(out, self.softmax(flat, targets.reshape(-1)).view(bsz, seg), loss_mask)
+        # The softmax module is called per chunk, so a sharding wrapper's hooks gather its
+        # weights at the chunk's re-run in backward too; its clusters route from host targets.
+        nll = segment_nll(self.softmax, hidden, targets, loss_mask,
+                          chunk_rows(self.softmax.head_width))
+        add_lm_loss(out, nll, loss_mask)
         # The mechanism's weighted auxiliary loss (RMT §3.4), apart from the LM loss: the
         # training step adds it for backward (train/bptt.py).
-        out.aux_loss = self.cfg.mech.aux_loss(self.cfg, self.softmax, new_state)
+        out.aux_loss = self.cfg.mech.aux_loss(self.cfg, self.softmax, state)
         return out
 
 

@@ -5,7 +5,8 @@
 
 `SegmentLM` holds what every model shares (run-time memory lengths, segment checkpointing
 with its recompute policy); the native stack (model/lm.py `MemoryLM`) and a pretrained
-backbone with memory tokens (model/pretrained/wrapper.py) build their layers and `_forward`.
+backbone with memory tokens (model/pretrained/wrapper.py) build their layers, `decode` (the
+segment's hidden states and the next memory) and `score` (the head and the loss).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def add_lm_loss(out: LMOutput, nll: torch.Tensor, loss_mask: torch.Tensor | None
     loss (their mean) from the per-token NLL: every backbone scores the same way."""
     if loss_mask is None:
         loss_mask = torch.ones_like(nll, dtype=torch.bool)
+    # The training step hands the mask over from the host (model/loss.py selects the rows
+    # there); the copy does not wait.
+    loss_mask = loss_mask.to(nll.device, non_blocking=True)
     out.nll = nll * loss_mask
     out.n_tokens = loss_mask.sum()
     out.loss = out.nll.sum() / out.n_tokens.clamp(min=1)
@@ -53,7 +57,7 @@ def add_lm_loss(out: LMOutput, nll: torch.Tensor, loss_mask: torch.Tensor | None
 
 class SegmentLM(nn.Module):
     """What every model the engine trains shares: (tokens, memory) -> LMOutput, run-time
-    lengths, and segment checkpointing. Subclasses build their layers and `_forward`."""
+    lengths, and segment checkpointing. Subclasses build their layers, `decode` and `score`."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -93,11 +97,13 @@ class SegmentLM(nn.Module):
                 recompute: str = "full") -> LMOutput:
         """tokens [B, L] -> LMOutput. targets [B, L] are the next tokens, on the device or
         on the host (the training step passes the host copy: the adaptive softmax routes its
-        clusters there without a device sync); loss_mask [B, L] (bool) limits the loss to
-        some positions (e.g. a task's answer).
+        clusters there without a device sync); loss_mask [B, L] (bool), on the host or the
+        device, limits the loss to some positions (e.g. a task's answer): only those rows
+        reach the head, chosen on the host from a host mask (model/loss.py).
 
-        checkpoint_segment: keep none of this segment's activations for backward, only its
-        inputs (tokens and the incoming memory), and recompute the segment during backward.
+        checkpoint_segment: keep none of this segment's decoder activations for backward,
+        only its inputs (tokens and the incoming memory) and the rows the head reads, and
+        recompute the decoder during backward.
         Across a BPTT window this leaves only the memory passed between segments alive, so
         peak memory hardly grows with the depth k. Non-reentrant checkpointing: one backward
         per step (what ZeRO-2/3 require); the RNG state is restored so dropout recomputes
@@ -126,11 +132,27 @@ class SegmentLM(nn.Module):
             # without them (tests/test_titans.py, around a pretrained model).
             if any(not p.requires_grad for p in self.parameters()):
                 extra["determinism_check"] = "none"
-            return checkpoint(self._forward, tokens, state, targets, loss_mask,
-                              return_log_probs, use_reentrant=False, **extra)
-        return self._forward(tokens, state, targets, loss_mask, return_log_probs)
+            # Only the decoder is checkpointed: the head and the loss run outside (model/
+            # loss.py, chunked), so backward never recomputes them. What that keeps per
+            # segment: the decoder's output rows that reach the head (all B x L x d_model of
+            # a language-modelling segment in the model's dtype; only the answer rows of a
+            # masked task), besides the segment's inputs.
+            hidden, new_state = checkpoint(self.decode, tokens, state, use_reentrant=False,
+                                           **extra)
+        else:
+            hidden, new_state = self.decode(tokens, state)
+        return self.score(hidden, new_state, targets, loss_mask, return_log_probs)
 
-    def _forward(self, tokens, state, targets, loss_mask, return_log_probs) -> LMOutput:
+    def decode(self, tokens: torch.Tensor, state: MemoryState | None
+               ) -> tuple[torch.Tensor, MemoryState]:
+        """tokens [B, L] read on `state` -> (hidden [B, L, d] the head reads, new state)."""
+        raise NotImplementedError
+
+    def score(self, hidden: torch.Tensor, state: MemoryState, targets: torch.Tensor | None,
+              loss_mask: torch.Tensor | None, return_log_probs: bool) -> LMOutput:
+        """The head on `decode`'s hidden states: the loss (model/loss.py: only supervised
+        rows, in chunks, never the whole [B*L, V] float32 logits) and, when asked for, the
+        full log-probabilities."""
         raise NotImplementedError
 
     def next_token_log_probs(self, tokens: torch.Tensor, state: MemoryState | None

@@ -114,6 +114,9 @@ class StatedBlock:
     trained_params: int = 0
     attention: tuple[SdpaShape, ...] = ()
     ops: tuple[TensorShape, ...] = ()
+    # What its forward holds at once beyond what it saves (an output not kept for backward
+    # while the next op reads it): a checkpointed segment's re-run peaks there.
+    forward: tuple[TensorShape, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,8 @@ s bytes of the model dtype: 4 fp32, 2 bf16/fp16; each storage counted once):
   (`_sdpa`); its embedding and head likewise stated, and its parameter counts its own
   (`shape_class(cfg).parameter_counts`: only what `model.hf.finetune` trains gets
   gradients).
-- head (model/adaptive.py): W's input, the fp32 log-softmax [N, V] (N = B·L), the targets;
+- head (model/adaptive.py, in chunks of rows recomputed in backward: model/loss.py): W's
+  input [N, d] (N = B·L) and the targets; backward holds one chunk's fp32 log-softmax;
   adaptive softmax (Grave et al. 2016): the concatenated head weight, the head log-softmax and
   its row copy, each tail cluster's rows' log-softmax. Rows per cluster: a Zipf law (rank^-1)
   over the frequency-sorted vocabulary (natural text puts more in the head: an upper bound).
@@ -55,6 +56,7 @@ import torch
 from model import ModelConfig, build_model
 from model.attention_kernels import sdpa_head_pad
 from model.backbones import shape_class
+from model.loss import chunk_rows
 from model.shapes import LayerShape, SdpaShape, SegmentShapes, StatedBlock, StatedLayer
 
 
@@ -90,6 +92,7 @@ class Block:
     params: float = 0.0
     kept: float | None = None      # None: what it saves stays until its backward
     recompute: float = 0.0
+    forward: float = 0.0           # held by its forward beyond what it saves (a re-run's peak)
     parts: dict = field(default_factory=dict)  # category -> bytes, for the breakdown
 
     def add(self, category: str, nbytes: float) -> None:
@@ -280,6 +283,7 @@ def _stated_block(dm: Dims, sb: StatedBlock) -> Block:
         blk.add(t.category, t.nbytes(dm.s, dm.kernel))
     phases = [nbytes(ph) for ph in sb.phases] + [_sdpa(blk, dm, a) for a in sb.attention]
     blk.transient = nbytes(sb.alive) + max(phases, default=0.0)
+    blk.forward = nbytes(sb.forward)
     return blk
 
 
@@ -328,7 +332,9 @@ def tied_bytes(c: ModelConfig, p: Params) -> int:
 
 
 def _head(dm: Dims, p: Params, rows_out: int, n_rows: int) -> Block:
-    """Final dropout over `rows_out` rows, the (adaptive) log-softmax over n_rows targets."""
+    """Final dropout over `rows_out` rows, the (adaptive) log-softmax over n_rows targets,
+    in chunks of rows recomputed in backward (model/loss.py): forward keeps only the head's
+    input rows and the targets; backward holds one chunk's logits and their gradients."""
     c = dm.cfg
     d, s = c.d_model, dm.s
     blk = Block("head", params=(p.head_only + tied_bytes(c, p)) * s)
@@ -336,20 +342,24 @@ def _head(dm: Dims, p: Params, rows_out: int, n_rows: int) -> Block:
     blk.add("head", n_rows * d * s + n_rows * 9)                       # W input, index, mask
     ends = [0, *c.cutoffs, c.vocab_size]
     if not c.cutoffs:
-        blk.add("head", n_rows * c.vocab_size * 4)
-        # log-prob gradients; W's gradient from the matmul (the whole matrix: no split)
-        blk.transient = 2 * n_rows * c.vocab_size * 4 + c.vocab_size * d * s
+        rows = min(n_rows, chunk_rows(c.vocab_size))
+        # A chunk's re-run logits and their float32 log-softmax, its gradient and the
+        # logits' gradient; W's gradient from the matmul (the whole matrix: no split)
+        blk.transient = 3 * rows * c.vocab_size * 4 + c.vocab_size * d * s
         return blk
     frac = head_cluster_rows(c)
     v_head = ends[1] + len(ends) - 2
-    blk.add("head", v_head * d * s + n_rows * v_head * 4 * (1 + frac[0]))  # cat W, logp, copy
+    rows = min(n_rows, chunk_rows(v_head))
+    # One chunk's re-run: the concatenated head weight, its log-softmax and a copy, each
+    # tail cluster's rows and log-softmax; then their gradients.
+    chunk = v_head * d * s + rows * v_head * 4 * (1 + frac[0])
     for i in range(1, len(ends) - 1):
-        rows_i = n_rows * frac[i]
-        blk.add("head", rows_i * (d * s + 16) + rows_i * (ends[i + 1] - ends[i]) * 4)
+        rows_i = rows * frac[i]
+        chunk += rows_i * (d * s + 16) + rows_i * (ends[i + 1] - ends[i]) * 4
     # The split's [V, d] gradient (model/adaptive.py `_cluster_params`) beside the largest
     # cluster's weight gradient: the fit to the measured WikiText-103 rows (BENCHMARKS.md).
     biggest = max([v_head] + [ends[i + 1] - ends[i] for i in range(1, len(ends) - 1)])
-    blk.transient = 3 * n_rows * v_head * 4 + p.embedding * s + biggest * d * s
+    blk.transient = chunk + 3 * rows * v_head * 4 + p.embedding * s + biggest * d * s
     return blk
 
 

@@ -30,7 +30,7 @@ from model.attention_kernels import sdpa_head_pad
 from model.recompute import parse_policy
 from model.shapes import SegmentShapes
 
-from .activations import Dims, head_cluster_rows, shapes
+from .activations import Dims, shapes
 
 
 @dataclass
@@ -64,23 +64,6 @@ def _output_ffn(ops: SegmentOps, dm: Dims, rows: int) -> None:
     ops.linear += b * rows * d * s + b * rows * c.d_inner * s
     ops.ffn_out.append(b * rows * d * s)
     ops.draws += b * rows * (2 * d + c.d_inner)
-
-
-def _head(ops: SegmentOps, dm: Dims, n_rows: int) -> None:
-    """Logits (and projections) of the (adaptive) softmax over n_rows targets."""
-    c = dm.cfg
-    s, d = dm.s, c.d_model
-    if not c.cutoffs:
-        ops.linear += n_rows * c.vocab_size * s
-        return
-    ends = [0, *c.cutoffs, c.vocab_size]
-    dims = [d // c.div_val ** i for i in range(len(ends) - 1)]
-    projected = c.div_val > 1
-    frac = head_cluster_rows(c)
-    for i in range(len(ends) - 1):
-        rows = n_rows if i == 0 else n_rows * frac[i]
-        width = ends[1] + len(ends) - 2 if i == 0 else ends[i + 1] - ends[i]
-        ops.linear += rows * width * s + (rows * dims[i] * s if projected else 0)
 
 
 def _stated_ops(dm: Dims, sh: SegmentShapes) -> SegmentOps:
@@ -126,9 +109,8 @@ def segment_ops(dm: Dims) -> SegmentOps:
             _attention(ops, dm, a.queries, a.keys, a.distances, need_lse=a.need_lse)
         _output_ffn(ops, dm, layer.out_rows)
     ops.draws += b * sh.output_rows * d    # final dropout
-    _head(ops, dm, b * n)
-    if sh.aux_targets:
-        _head(ops, dm, b * sh.aux_targets)
+    # The softmax head and its loss run outside the segment's checkpoint (model/
+    # segment_lm.py): no policy keeps their ops.
     return ops
 
 

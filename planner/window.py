@@ -3,13 +3,15 @@ accounting of activations.py.
 
 Peak of a window (train/bptt.py `run_window`, one backward), walked block by block in
 reverse (head, each layer's FFN then attention, embedding): a block frees what it saved and,
-while it runs, adds its backward's allocations: 2·N·V fp32 log-prob gradients, W's gradient
+while it runs, adds its backward's allocations: one chunk's re-run logits and their fp32
+log-prob gradients (model/loss.py), W's gradient
 and, with an adaptive softmax, the [V,d] gradient its clusters' split writes (head); the
 score and K, V gradients plus the skew's backward (a [B,H,Q,D] gradient of the positional
 scores); 3·[B,Q,d_inner] (FFN: CopySlices of the in-place ReLU); [V,d] (embedding).
 A parameter used again in an earlier segment (all when k >= 1, the tied embedding always)
 holds a gradient buffer in the autograd engine until its last use. Segment checkpointing
-keeps each segment's memory and outputs and recomputes one segment at a time, layer
+keeps each segment's memory, outputs and the loss's input rows and recomputes one
+segment's decoder at a time, layer
 checkpointing the same per layer. Validated on CPU against train/memory_probe.py by
 benchmarks/bench_memory_plan.py and the tests.
 """
@@ -93,10 +95,14 @@ def window_memory(dm: Dims, p: Params, n_segments: int, checkpoint_segments: boo
     saved = held[0] + (n_segments - 1) * held[-1]
     n_plain = n_segments - n_ckpt
     kept = kept_bytes(dm, recompute) if n_ckpt else 0.0
+    # The loss runs outside a segment's checkpoint (model/segment_lm.py): what it saves (the
+    # head's input rows, the targets) stays from a checkpointed segment too, and its re-run
+    # does not make it again.
+    loss_kept = last[-1].parts.get("head", 0.0)
     if n_ckpt == 0:
         live = saved + new_state
     else:   # checkpointed segments keep their state, outputs and kept results; then plain
-        live = n_ckpt * (state + outputs + kept) + n_plain * held[-1] + \
+        live = n_ckpt * (state + outputs + kept + loss_kept) + n_plain * held[-1] + \
             (new_state if n_plain else 0.0)
     multi, buffers = n_segments > 1, 0.0
     peak = live
@@ -105,8 +111,13 @@ def window_memory(dm: Dims, p: Params, n_segments: int, checkpoint_segments: boo
     # segments cannot peak higher: two of each kind are simulated.
     for recomputed in [False] * min(n_plain, 2) + [True] * min(n_ckpt, 2):
         if recomputed:   # re-run the whole segment (its kept results are part of it)
-            live += sum(blk.held for blk in last) - kept
-            peak = max(peak, live + buffers)
+            live += sum(blk.held for blk in last) - kept - loss_kept
+            # The re-run starts when the loss's gradient reaches the decoder's output, which
+            # stays alive through it; the forward holds besides its saved tensors what the
+            # embedding's callers hold and the largest block's passing outputs.
+            out_grad = dm.rows * sh.output_rows * c.d_model * dm.s
+            passing = last[0].forward + max(blk.forward for blk in last[1:])
+            peak = max(peak, live + buffers + out_grad + passing)
         for blk in reversed(last):
             live += blk.recompute
             peak = max(peak, live + buffers + blk.transient)

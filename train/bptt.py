@@ -82,12 +82,12 @@ def run_window(forward, state: MemoryState | None, segments: list[SegmentBatch],
             if _any_on_host(seg.reset):
                 state = state.reset_rows(seg.reset.to(device, non_blocking=True))
         # Host-to-device copies that do not wait (a blocking copy is a sync on a GPU). The
-        # targets go in as the host copy too: the adaptive softmax routes its clusters from
-        # it without a device sync (model/adaptive.py).
+        # targets and the loss mask go in as the host copies too: the adaptive softmax
+        # routes its clusters from the targets (model/adaptive.py) and the loss picks the
+        # supervised rows from the mask (model/loss.py) without a device sync.
         tokens = seg.tokens.to(device, non_blocking=True)
-        mask = (seg.loss_mask.to(device, non_blocking=True) if seg.loss_mask is not None
-                else None)
-        out = forward(tokens[:, :-1], state, targets=seg.tokens[:, 1:], loss_mask=mask,
+        out = forward(tokens[:, :-1], state, targets=seg.tokens[:, 1:],
+                      loss_mask=seg.loss_mask,
                       checkpoint_segment=i < n_ckpt, return_log_probs=score, **extra)
         state = out.state
         if not counted[i]:
@@ -100,6 +100,8 @@ def run_window(forward, state: MemoryState | None, segments: list[SegmentBatch],
             aux = out.aux_loss if aux is None else aux + out.aux_loss
             n_aux += 1
         with torch.no_grad():
+            mask = (seg.loss_mask.to(device, non_blocking=True) if seg.loss_mask is not None
+                    else None)
             hits = _hits(out, tokens[:, 1:], mask)
         correct = hits if correct is None else correct + hits
     if nll_sum is None:

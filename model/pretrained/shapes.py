@@ -24,8 +24,8 @@ d_head, intermediate size I, vocabulary V:
   layer's input itself without lora_dropout; with it the dropped copy and its mask) and
   lora_A's output [B, Q, r].
 - Embedding: the token ids when the embedding trains (GPT-2: the position ids too); the
-  head: the final norm, lm_head's input [B, L, d] when lm_head trains, the fp32
-  log-softmax [B·L, V] of the cross-entropy (wrapper.py upcasts the logits), the targets.
+  head: the final norm, the head's input rows [B·L, d] (the loss runs over chunks of rows
+  recomputed in backward, model/loss.py: no [B·L, V] log-softmax is kept), the targets.
 - SDPA (one call per layer, keys = queries = Q): the planner adds what the kernel keeps
   (its output, which o_proj reads as its input, the log-sum-exp, the mask in the model
   dtype), since that depends on the device.
@@ -49,6 +49,7 @@ import functools
 import json
 from dataclasses import dataclass
 
+from ..loss import chunk_rows
 from ..shapes import SdpaShape, SegmentShapes, StatedBlock, StatedLayer, TensorShape
 from ..typed import ConfigError
 from .activations import effective_activation
@@ -262,7 +263,6 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
     b, n = rows, cfg.tgt_len
     # The mechanism's rows: RMT's [read | tokens | write], ARMT's [tokens | memory], ...
     mem = cfg.mech.pretrained_rows(cfg, b, f.trained["associative"])
-    m = cfg.mech.num_mem_tokens(cfg)
     q, no_mask = mem.rows, mem.own_mask      # no mask: the base model's own causal one
     d, h, dh, inner = cfg.d_model, cfg.n_head, cfg.d_head, cfg.d_inner
     vocab, lin, t = cfg.vocab_size, f.linears, TensorShape
@@ -315,7 +315,11 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
                *_dropout(f.dropout, (b, q, d))),
         alive=(g,), phases=((gi, *_weights([lin[lay.ffn_out]], inner, d)),),
         trained_params=f.trained["ffn-out"],
-        ops=(*mm([lin[lay.ffn_out]], [d], inner), *_draws(f.dropout, (b, q, d))))
+        ops=(*mm([lin[lay.ffn_out]], [d], inner), *_draws(f.dropout, (b, q, d))),
+        # the activation's output while the projection reads it (unless kept as its
+        # input), and the projection's output
+        forward=(*([] if lin[lay.ffn_out].keeps_input else [t((b, q, inner))]),
+                 t((b, q, d))))
     blocks = (*mem.blocks, attention, attention_out, ffn, ffn_out)
     if mem.state_read:
         # Through a segment's backward the gradient of its incoming state stays alive
@@ -336,23 +340,27 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
                *_dropout(f.embd_dropout, (b, q, d)),
                *([t((b, q, dh), count=2, category="rotary")] if f.rotary else [])),
         alive=(g,), phases=(tuple(tables),),
-        trained_params=f.trained["embedding"], ops=tuple(_draws(f.embd_dropout, (b, q, d))))
+        trained_params=f.trained["embedding"], ops=tuple(_draws(f.embd_dropout, (b, q, d))),
+        # held through the decoder's forward by the callers' frames: E(x), the rows the
+        # decoder reads and, with a learned position table, its rows
+        forward=(t((b, n, d)), t((b, q, d)), *([t((b, q, d))] if f.positions else [])))
     nv = b * n
+    rows = min(nv, chunk_rows(vocab))
     head = StatedBlock(
         "head",
         saved=(*_norm(lay, b, q, d, f.norm_trains["final"]),
-               *_inputs([f.head], b, n, d, "head"),
-               t((nv, vocab), "fp32", category="head"),  # log-softmax
+               # the head's input rows, kept by the loss's chunks (model/loss.py) whether
+               # lm_head trains or not; no [B·L, V] log-softmax: backward recomputes it
+               t((nv, d), category="head"),
                t((nv,), "int64", category="head"), t((b, n), "bool", category="head")),
-        # the NLL's and the log-softmax's fp32 gradients; lm_head's backward: the logits'
-        # gradient, its input's and its weight's; the final norm's
-        phases=((t((nv, vocab), "fp32", 2),),
-                (t((nv, vocab)), t((nv, d)), *_weights([f.head], vocab, d)),
+        # one chunk's re-run: its logits, their fp32 log-softmax, its gradient and the
+        # logits'; lm_head's backward: its input's gradient and its weight's; the final norm's
+        phases=((t((rows, vocab), "fp32", 3), t((rows, vocab), "cast"), t((nv, d)),
+                 *_weights([f.head], vocab, d)),
                 (g, *_norm_backward(lay, b, q, d))),
-        trained_params=f.trained["head"],
-        # torch.matmul folds the token rows (a strided view when m > 0) into one mm when
-        # the weight trains, else it runs a bmm (an "attention" matmul to the policies)
-        ops=(t((b, n, vocab), category="linear" if f.head.trains or not m else "bmm"),))
+        # no ops a selective recompute policy could keep: the head runs outside the
+        # segment's checkpoint (model/segment_lm.py)
+        trained_params=f.trained["head"])
     return SegmentShapes((layer,) * cfg.n_layer, distances=0, output_rows=q,
                          state=mem.state, state_text=mem.state_text, embedding=embedding,
                          head=head, saved_label=mem.saved_label)

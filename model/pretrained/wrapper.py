@@ -17,9 +17,9 @@ generation run it unchanged. The head and the loss are the base model's.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..config import ModelConfig
+from ..loss import chunk_rows, logits_nll, segment_nll
 from ..memory import MemoryState
 from ..segment_lm import LMOutput, SegmentLM, add_lm_loss
 from .checkpoint_config import position_kind
@@ -75,18 +75,20 @@ class PretrainedMemoryLM(SegmentLM):
         incremental.py)."""
         return self.mechanism.pretrained_open_segment(self, state)
 
-    def _forward(self, tokens, state, targets, loss_mask, return_log_probs) -> LMOutput:
-        hidden, new_state = self.decode(tokens, state)
-        logits = lm_logits(self.base, hidden)
-        out = LMOutput(state=new_state)
+    def score(self, hidden, state, targets, loss_mask, return_log_probs) -> LMOutput:
+        out = LMOutput(state=state)
         if return_log_probs:
-            out.log_probs = torch.log_softmax(logits.float(), dim=-1)
+            out.log_probs = torch.log_softmax(lm_logits(self.base, hidden).float(), dim=-1)
         if targets is None:
             return out
-        bsz, seg = tokens.shape
-        # fp32 log-softmax whatever the model's dtype (bf16 logits lose the NLL's low bits).
-        nll = F.cross_entropy(logits.float().reshape(bsz * seg, -1),
-                              targets.to(logits.device, non_blocking=True).reshape(-1),
-                              reduction="none").view(bsz, seg)
+        # The head module is called per chunk of rows (model/loss.py), never on the whole
+        # segment at once, so its hooks (a ZeRO-3 gather, a LoRA adapter) run at each
+        # chunk's re-run in backward too.
+        head = self.base.get_output_embeddings()
+        rows = chunk_rows(getattr(head, "out_features", None) or self.base.config.vocab_size)
+        nll = segment_nll(self._rows_nll, hidden, targets, loss_mask, rows)
         add_lm_loss(out, nll, loss_mask)
         return out
+
+    def _rows_nll(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return logits_nll(lm_logits(self.base, hidden), targets)
