@@ -120,15 +120,11 @@ def test_a_missing_gguf_fails_before_any_part(tmp_path, capsys):
     assert not (tmp_path / "summary.json").exists()
 
 
-@pytest.mark.slow
-def test_the_engine_part_times_memtrains_own_step_beside_the_plain_one(tmp_path):
+def check_engine_part(part: dict) -> None:
     """benchmarks/gpu_engine.py through gpu_scale.py's engine part (a child process), at tiny
     shapes on the CPU: both steps of each variant timed, their peaks beside the planner's."""
     import statistics
-    o = gpu_scale.parse_args(["--out", str(tmp_path), "--quick", "--device", "cpu",
-                              "--parts", "engine"])
-    assert gpu_scale.run(o)["parts"]["engine"]["status"] == "done"
-    shapes = json.loads((tmp_path / "engine.json").read_text())["shapes"]
+    shapes = part["shapes"]
     assert list(shapes) == ["gpt2-124m"]
     result = shapes["gpt2-124m"]
     assert "error" not in result, result.get("tail")
@@ -184,3 +180,4 @@ def test_quick_mode_runs_every_part_on_the_cpu_and_writes_its_json(tmp_path):
     for arm in bab["arms"].values():
         assert set(arm["scores"]) == {str(n) for n in bab["lengths"]}
         assert all(0 <= s["accuracy"] <= 1 for s in arm["scores"].values())
+    check_engine_part(parts["engine"])

@@ -74,6 +74,8 @@ def test_the_peak_comes_from_the_device_name_and_the_matmul_dtype():
     assert peak_flops("NVIDIA H100 PCIe", "bf16") == 756e12
     assert peak_flops("NVIDIA H200", "bf16") == 989.4e12
     assert peak_flops("NVIDIA A10", "bf16") == 125e12        # not A100's
+    assert peak_flops("NVIDIA A10G", "bf16") is None         # not the A10's either
+    assert peak_flops("NVIDIA H200 NVL", "bf16") == 835e12
     assert peak_flops("Tesla V100-SXM2-16GB", "fp16") == 125e12
     assert peak_flops("Tesla V100-SXM2-16GB", "bf16") is None   # Volta has no bf16
     assert peak_flops("NVIDIA GeForce GTX 1080", "fp32") is None

@@ -53,14 +53,17 @@ import torch
 # the first entry it contains (the more specific names first: "A100" before "A10").
 PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
     ("GH200", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
+    ("H200 NVL", {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0}),
     ("H200", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
     ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.2}),
     ("H100 NVL", {"bf16": 835.0, "fp16": 835.0, "tf32": 417.5, "fp32": 60.0}),
     ("H100", {"bf16": 989.4, "fp16": 989.4, "tf32": 494.7, "fp32": 66.9}),
     ("A100", {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5}),
     ("L40S", {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6}),
+    ("A10G", {}),           # a cloud variant of its own, not the A10's figures: unknown
     ("A10", {"bf16": 125.0, "fp16": 125.0, "tf32": 62.5, "fp32": 31.2}),
-    ("V100-PCIE", {"fp16": 112.0, "fp32": 14.0}),       # Volta: no bf16, no TF32
+    ("V100S", {"fp16": 130.0, "fp32": 16.4}),           # Volta: no bf16, no TF32
+    ("V100-PCIE", {"fp16": 112.0, "fp32": 14.0}),
     ("V100", {"fp16": 125.0, "fp32": 15.7}),
 )
 
