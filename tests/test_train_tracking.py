@@ -13,8 +13,9 @@ from train_helpers import run_train, step_losses, tiny_config
 
 pytestmark = pytest.mark.slow
 
-METRICS = ("loss", "bpc", "lr", "tokens_per_s", "grad_norm", "peak_mem_mb", "valid_loss",
-           "final_loss")
+# model TFLOP/s always (train/throughput.py); no "mfu": the CPU has no known peak
+METRICS = ("loss", "bpc", "lr", "tokens_per_s", "model_tflops_per_s", "grad_norm",
+           "peak_mem_mb", "valid_loss", "final_loss")
 
 
 def _artifacts(client, run_id, path=None):
@@ -30,7 +31,7 @@ def _check_run(client, run_id, steps):
     params = run.data.params
     assert params["model.mem_len"] == "8" and params["model.mechanism"] == "xl"
     assert params["ds.zero_optimization.stage"] == "1" and params["bptt.mode"] == "window"
-    assert set(METRICS) <= set(run.data.metrics)
+    assert set(METRICS) <= set(run.data.metrics) and "mfu" not in run.data.metrics
     history = client.get_metric_history(run_id, "loss")
     assert sorted(m.step for m in history) == list(range(1, steps + 1))
     assert run.data.tags["mechanism"] == "xl" and run.data.tags["git_commit"]
@@ -40,9 +41,10 @@ def _check_run(client, run_id, steps):
         assert name in arts, arts
 
 
-def _config(tmp_path, name):
+def _config(tmp_path, name, **top):
     return tiny_config(tmp_path, name, max_steps=6, eval={"every": 3, "max_segments": 4},
-                       deepspeed={"zero_stage": 1}, tracking={"experiment": "tracking-test"})
+                       deepspeed={"zero_stage": 1}, tracking={"experiment": "tracking-test"},
+                       **top)
 
 
 def test_a_run_logs_params_metrics_artifacts_and_tags_to_the_default_store(tmp_path):
@@ -65,10 +67,16 @@ def test_a_two_rank_run_logs_once_to_a_real_mlflow_server(tmp_path, mlflow_serve
 
 def test_an_unreachable_server_warns_once_and_training_goes_on(tmp_path):
     dead = f"http://127.0.0.1:{free_port()}"
-    done = run_train(_config(tmp_path, "offline"), nproc=1, env={"MLFLOW_TRACKING_URI": dead})
+    # A peak given by hand (peak_tflops): the CPU's log lines then carry an MFU too.
+    done = run_train(_config(tmp_path, "offline", peak_tflops=0.01), nproc=1,
+                     env={"MLFLOW_TRACKING_URI": dead})
     out = done.stdout + done.stderr
     assert out.count(f"MLflow tracking at {dead} failed") == 1
     run_dir = tmp_path / "runs" / "offline"
     assert sorted(step_losses(run_dir)) == list(range(1, 7))
+    logged = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    mfu = [r["mfu"] for r in logged if "loss" in r]
+    assert len(mfu) == 6 and all(0 < x < 1 for x in mfu)
+    assert out.count(" tok/s | MFU ") == 6
     assert json.loads((run_dir / "status.json").read_text())["state"] == "finished"
     assert (run_dir / "loss_curve.png").is_file() and (run_dir / "eval_report.json").is_file()
