@@ -2,11 +2,14 @@
 "Host synchronisations per micro-step").
 
 Runs `train.trainer.train` in this process (a world of one, the real DeepSpeed engine on CPU,
-XL / LaMemo / RMT, a 2-layer word-level model with an adaptive softmax) with the counters of
-tests/test_sync_free.py, and attributes every would-be sync of a step to our code or to
-DeepSpeed's `engine.backward` / `engine.step`. Logging steps are reported apart.
+XL / LaMemo / RMT, a 2-layer word-level model with an adaptive softmax; or RMT, ARMT and
+Titans around a tiny GPT-2 checkpoint, `hf-*`) with the counters of tests/test_sync_free.py,
+and attributes every would-be sync of a step to our code or to DeepSpeed's
+`engine.backward` / `engine.step`. Logging steps are reported apart.
 
     .venv/bin/python benchmarks/count_syncs.py [--zero 0 2] [--steps 8] [--log-every 4]
+    .venv/bin/python benchmarks/count_syncs.py --zero 0 --mechanisms hf-rmt hf-rmt-causal \
+        hf-armt hf-titans
 """
 
 from __future__ import annotations
@@ -30,15 +33,41 @@ from train_helpers import tiny_config  # noqa: E402
 from train import loop, trainer  # noqa: E402
 from train.config import from_dict  # noqa: E402
 
+# Around a tiny random GPT-2 checkpoint (model/pretrained/tiny.py): `hf-<mechanism>`, with
+# segment checkpointing, so that every segment's forward runs twice.
+PRETRAINED = {"hf-rmt": {"mechanism": "rmt", "rmt": {"num_mem_tokens": 2}},
+              "hf-rmt-causal": {"mechanism": "rmt",
+                                "rmt": {"num_mem_tokens": 2, "pattern": "causal"}},
+              "hf-armt": {"mechanism": "armt", "armt": {"num_mem_tokens": 2, "d_key": 8}},
+              "hf-titans": {"mechanism": "titans",
+                            "titans": {"d_mem": 8, "chunk_size": 2, "num_persistent": 2}}}
 
-def measure(mechanism: str, zero: int, steps: int, log_every: int, tmp: Path) -> dict:
+
+def model_section(mechanism: str, tmp: Path) -> tuple[dict, dict]:
+    """(model section, bptt section) of a run of `mechanism` (PRETRAINED's names included)."""
+    if mechanism in PRETRAINED:
+        from train_helpers import V
+
+        from model.pretrained.tiny import tiny_gpt2
+        path = tiny_gpt2(tmp / "gpt2", tied=False, vocab=V)
+        return ({"backbone": "hf", "tgt_len": 8, "mem_len": 0, "hf": {"path": str(path)},
+                 **PRETRAINED[mechanism]}, {"depth": 1, "checkpoint_segments": True})
     model = {"mechanism": mechanism, "cutoffs": [4, 10], "div_val": 2}
     if mechanism == "rmt":
         model["rmt"] = {"num_mem_tokens": 2, "mem_loss_weight": 0.01, "mem_loss_token": 1}
+    return model, {"depth": 1}
+
+
+def measure(mechanism: str, zero: int, steps: int, log_every: int, tmp: Path) -> dict:
+    model, bptt = model_section(mechanism, tmp)
     path = tiny_config(tmp, f"{mechanism}{zero}", max_steps=steps, log_every=log_every,
-                       model=model, bptt={"depth": 1}, deepspeed={"zero_stage": zero},
+                       model=model, bptt=bptt, deepspeed={"zero_stage": zero},
                        eval={"max_segments": 2})
-    cfg = from_dict(yaml.safe_load(path.read_text()))
+    raw = yaml.safe_load(path.read_text())
+    if mechanism in PRETRAINED:     # the shape is the checkpoint's
+        for key in ("vocab_size", "n_layer", "d_model", "n_head", "d_inner", "dropout"):
+            raw["model"].pop(key, None)
+    cfg = from_dict(raw)
     parts: list[Counter] = []            # per micro-step: ours / deepspeed
     current: dict = {}
 
@@ -88,6 +117,8 @@ def main() -> int:
     ap.add_argument("--zero", type=int, nargs="+", default=[0, 2])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--log-every", type=int, default=4)
+    ap.add_argument("--mechanisms", nargs="+", default=["xl", "lamemo", "rmt"],
+                    choices=["xl", "lamemo", "rmt", *PRETRAINED])
     ap.add_argument("--one", nargs=2, metavar=("MECHANISM", "ZERO"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:  # one run per process: train() leaves the process group at its end
@@ -99,7 +130,7 @@ def main() -> int:
           "(per micro-step, by kind) | ours in a logging step's micro-step |\n"
           "|---|---|---|---|---|")
     for zero in args.zero:
-        for mech in ("xl", "lamemo", "rmt"):
+        for mech in args.mechanisms:
             out = subprocess.run([sys.executable, __file__, "--one", mech, str(zero),
                                   "--steps", str(args.steps), "--log-every",
                                   str(args.log_every)], capture_output=True, text=True)
