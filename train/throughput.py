@@ -23,10 +23,11 @@ segment of one batch row:
   causal half is not subtracted.
 The embedding lookups cost no FLOPs. A frozen parameter (a pretrained base under
 `model.hf.finetune` frozen or lora) has no weight gradient: 4 FLOPs per row, not 6 (taken
-over the model's share of trained parameters). Not counted: XL's re-projection of its
-cached keys, the relative-position projections, normalisations and softmaxes, Titans' and
-ARMT's memory updates beyond their matrix products on rows. So the count is of the
-model's work, never more.
+over the model's share of trained parameters). Left out or approximated, as in PaLM's
+estimate: normalisations, softmaxes and elementwise work; XL's re-projection of its M
+cached keys and the relative-position projection over its D distances, both counted over
+the segment's R rows instead; Titans' and ARMT's memory updates beyond their matrix
+products on rows. An estimate of the model's work, not a count of the kernels run.
 
 A checkpointed segment's forward runs again inside the backward (`bptt.checkpoint_segments`,
 train/bptt.py): that recompute is real work but not useful work, and is NOT counted: MFU
