@@ -219,7 +219,9 @@ def run(o) -> dict:
                     r = measure_engine(cfg, a, o, clock, memory, device)
                 r.update(predicted(cfg, a.batch, n, device))
                 if kind == "plain":
-                    r["predicted_peak_gb"] = None    # the planner plans DeepSpeed's states
+                    r["predicted_peak_gb"] = None
+                    r["predicted_peak_note"] = ("the planner plans DeepSpeed's model "
+                                                "states, not torch Adam's")
                 r["tokens_per_s"] = row["text_tokens"] / r["step_s"]
                 r["model_tflops_per_s"] = flops / r["step_s"] / 1e12
                 r["mfu"] = flops / r["step_s"] / peak if peak else None
