@@ -42,19 +42,21 @@ from model.pretrained.tiny import tiny_gpt2, tiny_llama  # noqa: E402
 
 def traffic(tmp: Path) -> None:
     path = tiny_gpt2(tmp / "gpt2-12", tied=False, layers=12, d=32)
-    print("| access to A_l | backward, per segment | backward incl. the checkpointed "
-          "segment's re-run | largest ops (backward) |\n|---|---|---|---|")
+    print("| access to A_l | backward, per segment (of it written) | backward incl. the "
+          "checkpointed segment's re-run (written) | largest ops (backward) |\n"
+          "|---|---|---|---|")
     now = AssociativeMemory.layers
     for name, access in (("select per use (before)", per_use_select), ("one unbind", now)):
         AssociativeMemory.layers = access
         try:
-            plain, _ = per_segment(path, False)
-            ckpt, _ = per_segment(path, True)
-            _, by_op, _ = state_traffic(path, 3, False)
+            plain, _, plain_w = per_segment(path, False)
+            ckpt, _, ckpt_w = per_segment(path, True)
+            _, by_op, _, _ = state_traffic(path, 3, False)
         finally:
             AssociativeMemory.layers = now
         top = ", ".join(f"{k} {v:.1f}" for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:3])
-        print(f"| {name} | {plain:.1f} x \\|A\\| | {ckpt:.1f} x \\|A\\| | {top} (3 segments) |")
+        print(f"| {name} | {plain:.1f} ({plain_w:.1f}) x \\|A\\| | {ckpt:.1f} ({ckpt_w:.1f}) "
+              f"x \\|A\\| | {top} (3 segments) |")
 
 
 def syncs(tmp: Path) -> None:

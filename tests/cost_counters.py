@@ -4,9 +4,10 @@ watch every aten op through a TorchDispatchMode, so they count what a GPU would 
 (the same ops, the same shapes) while running on the CPU.
 
 - `StateTraffic`: for each op, the bytes of its tensor inputs (read) and outputs (written)
-  whose trailing dimensions are the associative state's [d_phi, d_v]: A, a layer's A_l, and
-  their gradients. A select's backward that zero-fills a whole [B, n_layer, d_phi, d_v]
-  gradient to place one layer's slice counts its full output, as the GPU writes it.
+  whose trailing dimensions are the associative state's [d_phi, d_v] or its transpose
+  [d_v, d_phi] (what a matmul against A^T reads): A, a layer's A_l, and their gradients.
+  A select's backward that zero-fills a whole [B, n_layer, d_phi, d_v] gradient to place
+  one layer's slice counts its full output, as the GPU writes it.
 - `LiveBytes`: the bytes of every storage an op created that is still referenced, after
   each op; `peak` is the largest sum seen. Parameters and inputs made before the mode was
   entered are not counted (they are the same in every run compared).
@@ -27,17 +28,18 @@ def _tensors(tree):
 
 
 class StateTraffic(TorchDispatchMode):
-    """Bytes read and written on tensors whose last two dims are `trailing`."""
+    """Bytes read and written on tensors whose last two dims are `trailing` or its
+    transpose."""
 
     def __init__(self, trailing: tuple[int, int]):
         super().__init__()
-        self.trailing = tuple(trailing)
+        self.trailing = {tuple(trailing), tuple(trailing)[::-1]}
         self.read = self.written = 0
         self.by_op: Counter = Counter()
 
     def _bytes(self, tensors) -> int:
         return sum(t.numel() * t.element_size() for t in tensors
-                   if t.dim() >= 2 and tuple(t.shape[-2:]) == self.trailing)
+                   if t.dim() >= 2 and tuple(t.shape[-2:]) in self.trailing)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
