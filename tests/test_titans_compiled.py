@@ -107,17 +107,18 @@ def test_without_gradients_the_update_stays_eager_and_compiles_nothing():
     assert compiled_graphs() == 0
 
 
-def test_a_bf16_memory_keeps_its_compiled_state_float32_close_to_float32():
-    """The module in bf16 (its projections and gates), the memory's weights and momentum
-    float32 through the compiled step, within 2% of the float32 module's (the eager test's
-    bound, tests/test_neural_memory.py)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_memory_keeps_its_compiled_state_float32_close_to_float32(dtype):
+    """The module in bf16 or fp16 (its projections and gates), the memory's weights and
+    momentum float32 through the compiled step, within 2% of the float32 module's (the
+    eager test's bound, tests/test_neural_memory.py)."""
     torch.manual_seed(0)
     mem = NeuralMemory(D_MODEL, 6, depth=2, chunk_size=4, compile_backend=BACKEND)
     state = NeuralMemoryState.empty(2, 1, mem.shapes)
     x = torch.randn(2, 8, D_MODEL)
     w, s = state.layer(0, mem.initial_weights())
     w32, s32, _ = mem.update(w, s, x)
-    w16, s16, _ = mem.to(torch.bfloat16).update(w, s, x.bfloat16())
+    w16, s16, _ = mem.to(dtype).update(w, s, x.to(dtype))
     assert all(t.dtype == torch.float32 for t in w16 + s16)
     for a, b in zip(w16, w32, strict=True):
         assert (a - b).norm() / b.norm() < 0.02
