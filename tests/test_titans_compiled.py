@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from bptt_reach import random_segments
 from test_neural_memory import D_MODEL, _naive_inputs, _setup, naive
 from torch._dynamo.utils import counters
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -18,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from model import ModelConfig, build_model
 from model.compiled import compiled_graphs, graph_breaks
 from model.neural_memory import NeuralMemory, NeuralMemoryState, chunk_step, chunks_weights
+from train.bptt import run_window
 
 BACKEND = "aot_eager"
 
@@ -125,31 +127,34 @@ def test_a_half_precision_memory_keeps_its_compiled_state_float32_close_to_float
     assert graph_breaks() == 0
 
 
-def _titans_losses(compiled: bool) -> tuple[list[float], list[torch.Tensor]]:
+def _titans_window(compiled: bool, checkpoint_segments: bool, recompute: str):
+    """A 3-segment BPTT window of the native MAC model through the trainer's `run_window`:
+    (loss, every parameter's gradient)."""
     torch.manual_seed(0)
     cfg = ModelConfig(mechanism="titans", vocab_size=13, n_layer=2, d_model=16, n_head=2,
                       d_inner=32, dropout=0.0, tgt_len=8, mem_len=0, compile_backend=BACKEND,
                       titans={"d_mem": 8, "chunk_size": 4, "num_persistent": 2,
                               "compiled_chunks": compiled})
     model = build_model(cfg).train()
-    x = torch.randint(0, 13, (2, 17), generator=torch.Generator().manual_seed(1))
-    first = model(x[:, :8], None, targets=x[:, 1:9])
-    second = model(x[:, 8:16], first.state, targets=x[:, 9:17])
-    (first.loss + second.loss).backward()
-    return [first.loss.item(), second.loss.item()], [p.grad for p in model.parameters()]
+    result = run_window(model, None, random_segments(3, 13, 8, seed=1), torch.device("cpu"),
+                        checkpoint_segments=checkpoint_segments, recompute=recompute)
+    result.loss.backward()
+    return result.loss.item(), [p.grad for p in model.parameters()]
 
 
-def test_model_titans_compiled_chunks_trains_as_eager():
-    """`model.titans.compiled_chunks` on the native MAC stack: two segments (the memory and
-    its gradient crossing them) give eager's losses and gradients."""
-    eager, eager_grads = _titans_losses(False)
-    compiled, compiled_grads = _titans_losses(True)
-    assert compiled_graphs() >= 1 and graph_breaks() == 0
+@pytest.mark.parametrize("checkpoint_segments,recompute", [
+    (False, "full"), (True, "full"), (True, "save-linear")])
+def test_model_titans_compiled_chunks_trains_as_eager(checkpoint_segments, recompute):
+    """`model.titans.compiled_chunks` on the native MAC stack: a BPTT window of 3 segments
+    (the memory and its gradient crossing them), plain, with checkpointed segments (their
+    re-run through the same graph) and with a selective recompute policy (its dispatch
+    modes: eager), gives eager's loss and gradients."""
+    eager, eager_grads = _titans_window(False, checkpoint_segments, recompute)
+    compiled, compiled_grads = _titans_window(True, checkpoint_segments, recompute)
+    assert compiled_graphs() == (0 if recompute != "full" else 2) and graph_breaks() == 0
     assert compiled == pytest.approx(eager, rel=1e-6)
     for a, b in zip(compiled_grads, eager_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-
 
 class _Counting(TorchDispatchMode):
     """A Python dispatch mode as a selective recompute policy's (model/recompute.py)."""
