@@ -118,7 +118,9 @@ def model_counts(cfg) -> ModelCounts:
         return ModelCounts(f.total - tables, cfg.vocab_size * cfg.d_model,
                            f.trained_total / f.total)
     from model import ModelConfig, build_model
-    with torch.device("meta"):
+    # Counting must not move the random state a run's dropout and an exact resume depend on
+    # (a resumed Titans run at ZeRO-3 diverged from the uninterrupted one when it did).
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
         model = build_model(ModelConfig.from_dict(cfg.to_dict()))
     body = sum(p.numel() for p in model.core.parameters())
     if cfg.cutoffs:   # the head cluster: shortlist + one logit per tail (model/adaptive.py)
@@ -181,7 +183,11 @@ class Throughput:
 
     @functools.lru_cache(maxsize=16)   # noqa: B019 (one per run; a few segment lengths)
     def per_row(self, seg_len: int) -> float:
-        return segment_flops(self.cfg, self.counts, seg_len)
+        # A mechanism's stated shapes may be read off a module it builds (Titans'), which
+        # draws from the random stream: counting inside the loop must leave it where the
+        # run's dropout and an exact resume expect it.
+        with torch.random.fork_rng(devices=[]):
+            return segment_flops(self.cfg, self.counts, seg_len)
 
     def add(self, segments) -> None:
         """A window's segments (train/bptt.py `Window.segments`): tokens [rows, L + 1]."""
