@@ -143,11 +143,12 @@ def graph_breaks() -> int:
 
 
 # The chunk step of Titans' memory, compiled once per backend (`compiled_chunk_step`).
+# model/neural_memory.py hands its step over, so this module imports no mechanism.
 _CHUNK_STEPS: dict = {}
 
 
-def compiled_chunk_step(backend: str):
-    """`model.titans.compiled_chunks`: Titans' chunk step (model/neural_memory.py
+def compiled_chunk_step(chunk_step, backend: str):
+    """`model.titans.compiled_chunks`: Titans' chunk step (model/neural_memory.py passes its
     `chunk_step`: a chunk's reads and its update, §3.2) compiled by `backend`, the same
     function for every memory. Every full chunk of a segment has the same shapes and the
     weights are inputs, not parameters, so one graph (a forward and a backward) serves every
@@ -161,11 +162,9 @@ def compiled_chunk_step(backend: str):
     graph) and under a Python dispatch mode (a selective `bptt.recompute` policy's,
     model/recompute.py, which torch.compile does not trace)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    from .neural_memory import chunk_step
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return chunk_step
-    if backend not in _CHUNK_STEPS:
-        _CHUNK_STEPS[backend] = torch.compile(chunk_step, backend=backend, fullgraph=True,
-                                              dynamic=None)
-    return _CHUNK_STEPS[backend]
+    if (chunk_step, backend) not in _CHUNK_STEPS:
+        _CHUNK_STEPS[chunk_step, backend] = torch.compile(chunk_step, backend=backend,
+                                                          fullgraph=True, dynamic=None)
+    return _CHUNK_STEPS[chunk_step, backend]

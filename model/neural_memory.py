@@ -390,7 +390,7 @@ class NeuralMemory(nn.Module):
         qs = q.split(b, dim=1) if q is not None else None
         full = last = update_chunk
         if self.compile_backend is not None and torch.is_grad_enabled():
-            full, last = compiled_chunk_step(self.compile_backend), chunk_step
+            full, last = compiled_chunk_step(chunk_step, self.compile_backend), chunk_step
         reads = []
         for c, (kc, vc) in enumerate(zip(k.split(b, dim=1), v.split(b, dim=1), strict=True)):
             # A shorter last chunk (once per segment) runs eager: no graph of its own.
