@@ -8,6 +8,12 @@ one warm-up step. The default shape is GPT-2's head on 4,096 rows:
 
     .venv/bin/python benchmarks/bench_loss.py                       # N 4096, V 50257, d 768
     .venv/bin/python benchmarks/bench_loss.py --dtype bf16 --answer-share 0.05
+    .venv/bin/python benchmarks/bench_loss.py --device cuda --dtype bf16 --rows 32768 --gemm
+
+On a GPU the peak is torch.cuda.max_memory_allocated above what was allocated before the
+step, and the time wall time after a synchronisation. `--gemm` also times the head's GEMM
+(forward and both backward products) at V and at V padded to a multiple of 128 (50,304 for
+GPT-2), the padding's whole case: an aligned vocabulary.
 
 What a step holds that neither path can avoid: the hidden rows [N, d], the head's weight and
 its gradient [V, d], the hidden rows' gradient. The plain path adds three float32 [N, V]
@@ -31,12 +37,15 @@ from benchmarks import common  # noqa: E402
 from model.loss import chunk_rows, logits_nll, segment_nll  # noqa: E402
 
 VARIANTS = ("plain", "chunked")
-SHAPE_FLAGS = ("rows", "vocab", "d_model", "dtype", "answer_share", "threads", "seed")
+SHAPE_FLAGS = ("rows", "vocab", "d_model", "dtype", "answer_share", "threads", "seed",
+               "device")
 
 
 def loss_step(a, variant: str, head, hidden, targets, mask) -> float:
-    """One forward + backward of the loss; returns its CPU seconds."""
-    start = time.process_time()
+    """One forward + backward of the loss; returns its seconds (CPU time; on a GPU wall
+    time after a synchronisation)."""
+    clock = common.step_clock(a.device)
+    start = clock()
     h = hidden.detach().requires_grad_()
     if variant == "plain":
         nll = logits_nll(head(h.reshape(-1, a.d_model)), targets.reshape(-1)).view(mask.shape)
@@ -45,26 +54,56 @@ def loss_step(a, variant: str, head, hidden, targets, mask) -> float:
         rows_nll = lambda x, t: logits_nll(head(x), t)   # noqa: E731
         loss = segment_nll(rows_nll, h, targets, mask, chunk_rows(a.vocab)).sum() / mask.sum()
     loss.backward()
-    elapsed = time.process_time() - start
+    elapsed = clock() - start
     head.zero_grad(set_to_none=True)
     return elapsed
+
+
+def gemm_times(a, rounds: int = 10) -> dict:
+    """Median seconds of the head's three GEMMs (logits, their input's and weight's
+    gradients) at V and at V padded to a multiple of 128."""
+    dtype, dev = common.model_dtype(a), torch.device(a.device)
+    clock = common.step_clock(a.device)
+    h = torch.randn(a.rows, a.d_model, dtype=dtype, device=dev)
+    out = {}
+    for name, v in (("V", a.vocab), ("V128", -(-a.vocab // 128) * 128)):
+        w = torch.randn(v, a.d_model, dtype=dtype, device=dev)
+        g = torch.randn(a.rows, v, dtype=dtype, device=dev)
+        times = []
+        for _ in range(rounds + 2):
+            start = clock()
+            h @ w.T, g @ w, g.T @ h
+            times.append(clock() - start)
+        out[name] = {"vocab": v, "median_s": sorted(times[2:])[rounds // 2]}
+    out["padded_over_plain"] = out["V128"]["median_s"] / out["V"]["median_s"]
+    return out
 
 
 def child(a) -> None:
     spec = json.loads(a._child)
     torch.manual_seed(a.seed)
-    dtype = common.model_dtype(a)
-    head = torch.nn.Linear(a.d_model, a.vocab, bias=False).to(dtype)
-    hidden = torch.randn(1, a.rows, a.d_model, dtype=dtype)
-    targets = torch.randint(0, a.vocab, (1, a.rows))
+    dtype, dev = common.model_dtype(a), torch.device(a.device)
+    head = torch.nn.Linear(a.d_model, a.vocab, bias=False).to(dev, dtype)
+    hidden = torch.randn(1, a.rows, a.d_model, dtype=dtype, device=dev)
+    targets = torch.randint(0, a.vocab, (1, a.rows))        # the host copy, as in training
     mask = torch.rand(1, a.rows) < a.answer_share
     loss_step(a, spec["variant"], head, hidden, targets, mask)   # warm-up
-    before = common.status_kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    step_s = loss_step(a, spec["variant"], head, hidden, targets, mask)
-    print(json.dumps({"peak_mb": (common.status_kib("VmHWM") - before) / 1024,
-                      "step_cpu_s": step_s}))
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        step_s = loss_step(a, spec["variant"], head, hidden, targets, mask)
+        peak = (torch.cuda.max_memory_allocated(dev) - before) / 2**20
+    else:
+        before = common.status_kib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        step_s = loss_step(a, spec["variant"], head, hidden, targets, mask)
+        peak = (common.status_kib("VmHWM") - before) / 1024
+    out = {"peak_mb": peak, "step_s": step_s}
+    if spec.get("gemm"):
+        out["gemm"] = gemm_times(a)
+    print(json.dumps(out))
 
 
 def parse_args(argv=None):
@@ -72,7 +111,10 @@ def parse_args(argv=None):
     p.add_argument("--rows", type=int, default=4096, help="N: tokens scored in the step")
     p.add_argument("--vocab", type=int, default=50257)
     p.add_argument("--d-model", type=int, default=768)
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--gemm", action="store_true",
+                   help="also time the head GEMM at V and at V padded to a multiple of 128")
     p.add_argument("--answer-share", type=float, default=1.0,
                    help="share of rows with a loss (1: language modelling; a task's answer "
                         "rows are a few per cent)")
@@ -94,16 +136,24 @@ def main(argv=None) -> int:
           f"answer share {a.answer_share}; one float32 [N, V] buffer = {nv_mb:.0f} MiB; "
           f"chunk {chunk_rows(a.vocab)} rows")
     results = {"shape": {k: getattr(a, k) for k in SHAPE_FLAGS}, "nv_fp32_mb": nv_mb}
+    if torch.device(a.device).type == "cuda":
+        results["device_name"] = torch.cuda.get_device_name(torch.device(a.device))
+    unit = "s" if torch.device(a.device).type == "cuda" else "CPU s"
     for variant in VARIANTS:
-        results[variant] = common.run_child(__file__, a, {"variant": variant}, SHAPE_FLAGS)
+        spec = {"variant": variant, "gemm": a.gemm and variant == "plain"}
+        results[variant] = common.run_child(__file__, a, spec, SHAPE_FLAGS)
         r = results[variant]
         print(f"  {variant:<8} peak {r['peak_mb']:7.0f} MiB ({r['peak_mb'] / nv_mb:.2f} x "
-              f"[N, V] fp32)   step {r['step_cpu_s']:.2f} CPU s", flush=True)
+              f"[N, V] fp32)   step {r['step_s']:.3f} {unit}", flush=True)
     results["peak_ratio"] = results["chunked"]["peak_mb"] / results["plain"]["peak_mb"]
-    results["time_ratio"] = (results["chunked"]["step_cpu_s"]
-                             / results["plain"]["step_cpu_s"])
+    results["time_ratio"] = results["chunked"]["step_s"] / results["plain"]["step_s"]
     print(f"chunked / plain: peak {results['peak_ratio']:.3f}, "
           f"time {results['time_ratio']:.2f}")
+    if a.gemm:
+        g = results["gemm"] = results["plain"].pop("gemm")
+        print(f"head GEMMs: V {g['V']['vocab']} {g['V']['median_s'] * 1e3:.2f} ms, "
+              f"V {g['V128']['vocab']} {g['V128']['median_s'] * 1e3:.2f} ms "
+              f"(padded / plain {g['padded_over_plain']:.3f})")
     return common.finish(a.json, results, started)
 
 

@@ -15,7 +15,9 @@
 # off/on, and the cold compile (below; docs/pretrained.md, "Fused activation and regional
 # compilation"). With ENGINE=1 only gpu_scale.py's engine part at GPT-2-124M's shape:
 # memtrain's own training step beside the plain-torch step (below; BENCHMARKS.md, "On a GPU
-# at realistic shapes").
+# at realistic shapes"). With LOSS=1 only the loss step at GPT-2's head, plain against
+# chunked, and the head GEMM at V 50,257 against 50,304 (below; BENCHMARKS.md, "The LM loss
+# without the logits tensor").
 # Steps 2 and 3 run side by side (16 host cores are enough; their timings are not reported).
 #
 #   bash scripts/gpu_session.sh [OUT_DIR]        # PY=python to use (default .venv/bin/python)
@@ -83,6 +85,17 @@ fi
 if [ "${TITANS_CHUNK:-0}" = 1 ]; then
   exec timeout "${BUDGET:-540}" "$PY" benchmarks/titans_compiled_chunk.py \
     --json "$OUT/titans_compiled_chunk.json" ${TITANS_CHUNK_ARGS:---device cuda --dtype bf16}
+fi
+
+# LOSS=1: only benchmarks/bench_loss.py at GPT-2's head in bf16 (N 32,768 x V 50,257, d 768:
+# a batch of 32 segments of 1,024): one loss step's peak and time, the plain [N, V] path
+# against model/loss.py's chunks, and the head GEMM at V 50,257 against 50,304 (the case
+# for a vocabulary padded to a multiple of 128); BENCHMARKS.md, "The LM loss without the
+# logits tensor". LOSS_ARGS replaces the shape flags ("--rows 256 --vocab 1000 --d-model
+# 64" rehearses it on the CPU).
+if [ "${LOSS:-0}" = 1 ]; then
+  exec timeout "${BUDGET:-300}" "$PY" benchmarks/bench_loss.py --gemm \
+    ${LOSS_ARGS:---device cuda --dtype bf16 --rows 32768} --json "$OUT/loss.json"
 fi
 
 # FUSED=1: only benchmarks/bench_pretrained_fused.py at GPT-2-small's shape (12 layers, d
