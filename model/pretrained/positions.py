@@ -37,16 +37,15 @@ the memory at L .. L+m-1 and "table_end" in the last m rows of a learned positio
 the two placements of the ARMT authors' code). When L < tgt_len the positions jump from L-1 to T;
 transformers reads such a jump in position ids given WITHOUT an attention mask as the start
 of another packed sequence and would cut the memory off from the tokens
-(masking_utils `find_packed_sequence_indices`), so the wrapper passes an all-ones 2-D
-padding mask, from which the model builds its plain causal mask.
-
-That padding mask costs a host sync per forward: transformers decides whether SDPA may run
-with `is_causal` instead of a mask by reading the mask's values (masking_utils
-`_ignore_causal_mask_sdpa`), and with no mask it reads the position ids for packed
-sequences instead. `causal_attention` gives the base model its plain causal attention
-with neither read (docs/armt-costs.md, "Host syncs"): for SDPA the same kernel call with
-`is_causal` that the all-ones mask leads to, for the eager kernel the additive causal mask
-transformers would build from it, given as a 4-D mask that it uses as is.
+(masking_utils `find_packed_sequence_indices`). An all-ones 2-D padding mask avoids that,
+but costs a host sync per forward: transformers decides whether SDPA may run with
+`is_causal` instead of a mask by reading the mask's values (masking_utils
+`_ignore_causal_mask_sdpa`), and with no mask it reads the position ids (a sync too).
+`causal_attention` gives the base model its plain causal attention with neither read
+(docs/armt-costs.md, "Host syncs"): for SDPA the same kernel call with `is_causal` that the
+all-ones mask leads to, for the eager kernel the additive causal mask transformers would
+build from it, given as a 4-D mask that it uses as is. ARMT, Titans and RMT's "causal"
+pattern run the base model under it.
 """
 
 from __future__ import annotations
