@@ -44,6 +44,8 @@ from benchmarks import common  # noqa: E402
 
 
 class PointwiseOps(TorchDispatchMode):
+    """Counts the pointwise aten ops (torch's `pointwise` tag) run inside the block."""
+
     def __init__(self):
         super().__init__()
         self.ops = Counter()

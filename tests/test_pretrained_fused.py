@@ -10,8 +10,8 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.bench_pretrained_fused import PointwiseOps
 from model import ModelConfig, resolve_shape
 from model.pretrained.activations import effective_activation, fuse_gelu
 from model.pretrained.loading import load_base
@@ -65,17 +65,6 @@ def test_fused_gelu_gives_the_original_logits_to_1e5_relative_in_fp32(gpt2, caps
     assert not torch.allclose(exact, want, rtol=1e-5, atol=1e-6)
 
 
-class _PointwiseOps(TorchDispatchMode):
-    """Counts the pointwise aten ops (torch's `pointwise` tag) run inside the block."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if torch.Tag.pointwise in func.tags:
-            self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def mlp_pointwise_ops(base) -> Counter:
@@ -83,7 +72,7 @@ def mlp_pointwise_ops(base) -> Counter:
     mlp = base.transformer.h[0].mlp.train()
     x = torch.randn(2, 16, base.config.n_embd, requires_grad=True)
     grad = torch.randn(2, 16, base.config.n_embd)
-    with _PointwiseOps() as count:
+    with PointwiseOps() as count:
         mlp(x).backward(grad)
     return count.ops
 
