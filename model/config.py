@@ -59,6 +59,11 @@ class PretrainedOptions:
     # approximation in one fused kernel (model/pretrained/activations.py); false keeps the
     # original module.
     fused_gelu: bool = True
+    # The loss's head GEMM over a vocabulary padded with zero rows to a multiple of this
+    # (e.g. 128: GPT-2's 50,257 -> 50,304, aligned tiles on a GPU); the padding's logits are
+    # cut off before the softmax, so the loss is the unpadded one (model/loss.py). 0: off.
+    # Only where the head's weight is a plain, materialised matrix (not a ZeRO-3 shard).
+    vocab_multiple: int = 0
     # The checkpoint's architecture (its config's model_type), written with the shape fields
     # by the step that reads them (model/backbones/ `resolve_shape`); empty: not read yet.
     model_type: str = ""
@@ -293,6 +298,9 @@ class ModelConfig:
         if not 0.0 <= o.lora_dropout < 1.0:
             raise ConfigError("model.hf.lora_dropout", f"must be in [0, 1), got "
                               f"{o.lora_dropout}")
+        if o.vocab_multiple < 0:
+            raise ConfigError("model.hf.vocab_multiple", f"must be >= 0 (0: off), got "
+                              f"{o.vocab_multiple}")
         if o.attn_implementation not in ("sdpa", "eager"):
             raise ConfigError("model.hf.attn_implementation", f"unknown "
                               f"{o.attn_implementation!r}; choose 'sdpa' or 'eager'")

@@ -73,6 +73,53 @@ def chunked_nll(rows_nll: RowsNLL, hidden: torch.Tensor, targets: torch.Tensor,
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def padded_head(head: torch.nn.Module, multiple: int):
+    """(weight, bias) of a linear `head` [V, d] padded with zero rows to a multiple of
+    `multiple`, for a head GEMM over aligned tiles; None where padding does not apply (off,
+    V already a multiple, or the head not a plain materialised nn.Linear: a LoRA-wrapped
+    head, a ZeRO-3 shard). Made once per segment (a [V, d] copy, small beside the GEMMs
+    over every chunk); the logits of the padding are cut off before the softmax
+    (`cut_logits`), so the loss and every gradient of the real rows are the unpadded ones."""
+    if multiple <= 0 or type(head) is not torch.nn.Linear:
+        return None
+    weight = head.weight
+    vocab = head.out_features
+    pad = -vocab % multiple
+    if pad == 0 or weight.is_meta or weight.numel() != vocab * head.in_features:
+        return None
+    bias = None if head.bias is None else F.pad(head.bias, (0, pad))
+    return F.pad(weight, (0, 0, 0, pad)), bias
+
+
+class _PaddedHead(torch.autograd.Function):
+    """hidden [N, d] @ padded weight [V', d]^T, the first `vocab` columns. The forward GEMM
+    runs over the padded rows (aligned tiles); backward reads only the real rows, so the
+    gradients are the unpadded head's whatever order a BLAS sums a longer reduction in."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, vocab):
+        ctx.save_for_backward(hidden, weight)
+        ctx.vocab = vocab
+        return F.linear(hidden, weight)[..., :vocab]
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight = ctx.saved_tensors
+        vocab, pad = ctx.vocab, weight.shape[0] - ctx.vocab
+        grad = grad.contiguous()
+        grad_hidden = grad @ weight[:vocab]
+        grad_weight = F.pad(grad.reshape(-1, vocab).T @ hidden.reshape(-1, hidden.shape[-1]),
+                            (0, 0, 0, pad))
+        return grad_hidden, grad_weight, None
+
+
+def cut_logits(hidden: torch.Tensor, padded: tuple, vocab: int) -> torch.Tensor:
+    """The head's logits [N, vocab] through the padded GEMM [N, V'] (`padded_head`)."""
+    weight, bias = padded
+    logits = _PaddedHead.apply(hidden, weight, vocab)
+    return logits if bias is None else logits + bias[:vocab]
+
+
 class SupervisedRows:
     """The flat positions where a loss mask [B, L] holds, on the host (numpy, from a host
     mask) and on the device the hidden states live on. From a host mask the device copy does

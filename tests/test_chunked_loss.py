@@ -206,3 +206,43 @@ def test_pretrained_loss_and_gradients_equal_the_plain_path(arch, mechanism, mas
     torch.manual_seed(0)
     _check_against_reference(build_model(ModelConfig.from_dict(section)), V, monkeypatch,
                              mask_where, ckpt)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("rows", [1000, 4])
+def test_a_vocabulary_padded_for_the_head_gemm_leaves_loss_and_gradients_equal(
+        arch, rows, hf_ckpts, monkeypatch):
+    """model.hf.vocab_multiple: the head GEMM over V = 32 padded with zero rows to 128, the
+    padding's logits cut off before the softmax. On the CPU the loss is the unpadded run's
+    bit for bit; so is every gradient when the rows are one chunk, and within 1e-6 relative
+    over several chunks (their contributions reach the weight through the padded copy, summed
+    in another order)."""
+    monkeypatch.setattr(loss_mod, "CHUNK_ELEMENTS", V * rows)
+    x = torch.randint(0, V, (B, L + 1), generator=torch.Generator().manual_seed(2))
+    mask = torch.rand(B, L, generator=torch.Generator().manual_seed(3)) < 0.7
+    runs = []
+    for multiple in (0, 128):
+        section = hf_model_section(hf_ckpts[arch], 2, L)
+        section["hf"]["vocab_multiple"] = multiple
+        torch.manual_seed(0)
+        model = build_model(ModelConfig.from_dict(section))
+        assert (loss_mod.padded_head(model.base.get_output_embeddings(), multiple)
+                is None) == (multiple == 0)
+        runs.append(_loss_and_grads(lambda m=model: m(x[:, :-1], None, targets=x[:, 1:],
+                                                      loss_mask=mask).loss, model))
+    (loss0, grads0), (loss1, grads1) = runs
+    assert torch.equal(loss0, loss1)
+    assert grads0.keys() == grads1.keys()
+    for name in grads0:
+        if rows >= B * L:
+            assert torch.equal(grads0[name], grads1[name]), name
+        else:
+            assert _rel(grads1[name], grads0[name]) <= 1e-6, name
+
+
+def test_a_negative_vocab_multiple_is_refused_by_its_field():
+    from model.typed import ConfigError
+    with pytest.raises(ConfigError) as err:
+        ModelConfig.from_dict({"mechanism": "rmt", "backbone": "hf", "mem_len": 0,
+                               "hf": {"path": "x", "vocab_multiple": -1}})
+    assert err.value.field == "model.hf.vocab_multiple"

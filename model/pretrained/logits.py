@@ -24,10 +24,13 @@ PROBE_TOKENS = 4
 _RTOL = 1e-3
 
 
-def lm_logits(base, hidden: torch.Tensor) -> torch.Tensor:
+def lm_logits(base, hidden: torch.Tensor, head_out: torch.Tensor | None = None
+              ) -> torch.Tensor:
     """The logits `base`'s own forward computes from `hidden` (its decoder's last hidden
-    states after the final norm): the output head, then the architecture's post-processing."""
-    logits = base.get_output_embeddings()(hidden)
+    states after the final norm): the output head, then the architecture's post-processing.
+    `head_out`: the head's output already computed (by the loss's padded GEMM,
+    model/loss.py), to which only the post-processing is applied."""
+    logits = base.get_output_embeddings()(hidden) if head_out is None else head_out
     arch = ARCHITECTURES.get(base.config.model_type)
     post = arch.logits if arch is not None else None
     return post(logits, base.config) if post is not None else logits

@@ -346,12 +346,16 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
         forward=(t((b, n, d)), t((b, q, d)), *([t((b, q, d))] if f.positions else [])))
     nv = b * n
     rows = min(nv, chunk_rows(vocab))
+    multiple = cfg.hf.vocab_multiple
+    pad = -vocab % multiple if multiple > 0 else 0
     head = StatedBlock(
         "head",
         saved=(*_norm(lay, b, q, d, f.norm_trains["final"]),
                # the head's input rows, kept by the loss's chunks (model/loss.py) whether
                # lm_head trains or not; no [B·L, V] log-softmax: backward recomputes it
                t((nv, d), category="head"),
+               # model.hf.vocab_multiple: the head's weight padded once per segment
+               *([t((vocab + pad, d), category="head")] if pad else []),
                t((nv,), "int64", category="head"), t((b, n), "bool", category="head")),
         # one chunk's re-run: its logits, their fp32 log-softmax, its gradient and the
         # logits'; lm_head's backward: its input's gradient and its weight's; the final norm's

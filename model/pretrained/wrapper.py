@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from ..loss import chunk_rows, logits_nll, segment_nll
+from ..loss import chunk_rows, cut_logits, logits_nll, padded_head, segment_nll
 from ..memory import MemoryState
 from ..segment_lm import LMOutput, SegmentLM, add_lm_loss
 from .checkpoint_config import position_kind
@@ -85,10 +85,16 @@ class PretrainedMemoryLM(SegmentLM):
         # segment at once, so its hooks (a ZeRO-3 gather, a LoRA adapter) run at each
         # chunk's re-run in backward too.
         head = self.base.get_output_embeddings()
-        rows = chunk_rows(getattr(head, "out_features", None) or self.base.config.vocab_size)
-        nll = segment_nll(self._rows_nll, hidden, targets, loss_mask, rows)
+        vocab = getattr(head, "out_features", None) or self.base.config.vocab_size
+        # One padded [V', d] copy per segment, alive until backward (a step's copies are not
+        # shared: an optimizer may change the weight without autograd seeing it).
+        padded = padded_head(head, self.cfg.hf.vocab_multiple)
+        if padded is None:
+            def rows_nll(h, t):
+                return logits_nll(lm_logits(self.base, h), t)
+        else:   # the head GEMM over a padded vocabulary (model.hf.vocab_multiple)
+            def rows_nll(h, t):
+                return logits_nll(lm_logits(self.base, h, cut_logits(h, padded, vocab)), t)
+        nll = segment_nll(rows_nll, hidden, targets, loss_mask, chunk_rows(vocab))
         add_lm_loss(out, nll, loss_mask)
         return out
-
-    def _rows_nll(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return logits_nll(lm_logits(self.base, hidden), targets)
