@@ -46,9 +46,11 @@ from __future__ import annotations
 
 import functools
 import warnings
-from dataclasses import dataclass
 
 import torch
+
+from model import backbone_of
+from model.backbones.base import FlopCounts
 
 # Dense (not 2:4 sparse) TFLOP/s by dtype, NVIDIA's datasheets; a device name is matched by
 # the first entry it contains (the more specific names first: "A100" before "A10").
@@ -98,37 +100,15 @@ def training_flops(n_body: int, n_head: int, rows: float, targets: float,
     return per_param * (n_body * rows + n_head * targets) + 12 * attention
 
 
-@dataclass(frozen=True)
-class ModelCounts:
-    """What the formula needs of the model that does not depend on the segment length."""
-
-    n_body: int
-    n_head: int
-    trained_share: float
+# What the formula needs of the model that does not depend on the segment length, as each
+# backbone counts it (model/backbones/: `flop_counts`).
+ModelCounts = FlopCounts
 
 
 def model_counts(cfg) -> ModelCounts:
     """N_body, N_head and the trained share of `cfg` (a ModelConfig), counted without
-    weights: a pretrained backbone from its meta model's facts (model/pretrained/shapes.py),
-    the native stack built on the meta device."""
-    if cfg.backbone == "hf":
-        from model.pretrained.shapes import base_facts
-        f = base_facts(cfg)
-        tables = cfg.vocab_size * cfg.d_model * (1 if f.tied else 2) + f.positions * cfg.d_model
-        return ModelCounts(f.total - tables, cfg.vocab_size * cfg.d_model,
-                           f.trained_total / f.total)
-    from model import ModelConfig, build_model
-    # Counting must not move the random state a run's dropout and an exact resume depend on
-    # (a resumed Titans run at ZeRO-3 diverged from the uninterrupted one when it did).
-    with torch.random.fork_rng(devices=[]), torch.device("meta"):
-        model = build_model(ModelConfig.from_dict(cfg.to_dict()))
-    body = sum(p.numel() for p in model.core.parameters())
-    if cfg.cutoffs:   # the head cluster: shortlist + one logit per tail (model/adaptive.py)
-        head = (cfg.cutoffs[0] + len(cfg.cutoffs)) * cfg.d_model
-        head += cfg.d_model ** 2 if cfg.div_val > 1 else 0    # its projection
-    else:
-        head = cfg.vocab_size * cfg.d_model
-    return ModelCounts(body, head, 1.0)
+    weights by its backbone."""
+    return backbone_of(cfg).flop_counts(cfg)
 
 
 def segment_flops(cfg, counts: ModelCounts, seg_len: int) -> float:

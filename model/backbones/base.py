@@ -10,9 +10,22 @@ is its `traits` entry in model/config.py, under the same name.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import ClassVar
 
 from ..config import BACKBONE_TRAITS, BackboneTraits, ConfigError
+
+
+@dataclass(frozen=True)
+class FlopCounts:
+    """What a step's FLOP estimate needs of a model besides its segment's shapes
+    (train/throughput.py): the weights every row passes through (the decoder stack and what
+    the mechanism adds), the head's weights every scored token passes through, and the
+    share of all weights that train."""
+
+    n_body: int
+    n_head: int
+    trained_share: float
 
 
 class Backbone(ABC):
@@ -106,3 +119,8 @@ class Backbone(ABC):
         """Refuse (ConfigError naming `option`) a segment length the backbone cannot place;
         relative positions place any."""
         return None   # the native stack's relative positions place any length
+
+    @abstractmethod
+    def flop_counts(self, cfg) -> FlopCounts:
+        """`FlopCounts` of `cfg`, counted without weights (the meta device, a checkpoint's
+        config) and without drawing from the random stream."""

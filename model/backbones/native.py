@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import torch
 from safetensors.torch import load_model as _load_into
 from safetensors.torch import save_model as _save_from
 
 from ..lm import MemoryLM, core_class
-from .base import Backbone
+from .base import Backbone, FlopCounts
 
 
 class NativeBackbone(Backbone):
@@ -45,3 +46,16 @@ class NativeBackbone(Backbone):
             raise ValueError(f"{source} does not match the model code: missing "
                              f"{missing[:5]}, unexpected {unexpected[:5]}, shapes {shapes[:5]}")
         model.load_state_dict(state, strict=False)
+
+    def flop_counts(self, cfg) -> FlopCounts:
+        # Built on the meta device; a mechanism's init may draw random numbers even there,
+        # and counting must not move the stream a run's dropout and exact resume rely on.
+        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+            model = MemoryLM(type(cfg).from_dict(cfg.to_dict()))   # a copy: built apart
+        body = sum(p.numel() for p in model.core.parameters())
+        if cfg.cutoffs:   # the head cluster: shortlist + one logit per tail (adaptive.py)
+            head = (cfg.cutoffs[0] + len(cfg.cutoffs)) * cfg.d_model
+            head += cfg.d_model ** 2 if cfg.div_val > 1 else 0    # its projection
+        else:
+            head = cfg.vocab_size * cfg.d_model
+        return FlopCounts(body, head, 1.0)

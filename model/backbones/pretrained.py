@@ -19,7 +19,7 @@ from safetensors.torch import save_file as _save_tensors
 
 from ..config import ConfigError
 from ..pretrained import checkpoint_config
-from .base import Backbone
+from .base import Backbone, FlopCounts
 
 # The pretrained base an export's weights go with (also inside its model config; here for
 # anyone reading the file's metadata without memtrain).
@@ -153,3 +153,12 @@ class PretrainedBackbone(Backbone):
         """A learned position table (GPT-2) ends: 2m + L rows must fit in it
         (checkpoint_config.py)."""
         checkpoint_config.check_segment_positions(cfg, seg_len, option)
+
+    def flop_counts(self, cfg) -> FlopCounts:
+        # The meta model's facts (model/pretrained/shapes.py); the embedding tables are
+        # lookups, not matmuls, and a tied head is counted as the head.
+        from ..pretrained.shapes import base_facts
+        f = base_facts(cfg)
+        tables = cfg.vocab_size * cfg.d_model * (1 if f.tied else 2) + f.positions * cfg.d_model
+        return FlopCounts(f.total - tables, cfg.vocab_size * cfg.d_model,
+                          f.trained_total / f.total)
