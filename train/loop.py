@@ -79,7 +79,6 @@ class LoopParts:
     ckpt_root: Path | None = None         # RunDir.checkpoints
     curriculum: SegmentCurriculum | NoCurriculum | None = None   # the data regime's
     signals: Any = None                   # None: StopSignal() (SIGTERM, SIGUSR1 handlers)
-    throughput: Throughput | None = None  # None: counted here (train/throughput.py)
 
 
 class TrainingLoop:
@@ -103,8 +102,7 @@ class TrainingLoop:
         self._final_scored: tuple | None = None
         # Model FLOPs of this rank's windows, counted on the host from their shapes: the
         # MFU beside tokens/s (train/throughput.py).
-        self.throughput = (parts.throughput if parts.throughput is not None
-                           else Throughput(self.cfg, self.device))
+        self.throughput = Throughput(self.cfg, self.device)
 
     # ------------------------------------------------------------------ one micro-step
 

@@ -37,7 +37,6 @@ from .pretrained import build_for_engine
 from .regime import DataRegime, regime_of
 from .resume import restore
 from .run_dir import RUNNING, RunDir, atomic_write_json, atomic_write_text
-from .throughput import Throughput
 from .tracking import Tracker
 
 
@@ -129,9 +128,6 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
               f"--- resolved config ---\n{dump_yaml(cfg)}--- ds_config: saved in "
               f"{run.ds_config}", flush=True)
 
-    # The model's FLOPs for the MFU line, counted before the seed and before DeepSpeed sets
-    # up (train/throughput.py keeps its counting off the random stream as well).
-    throughput = Throughput(cfg, device)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     # A pretrained base at ZeRO-3 is loaded partitioned from the start (train/pretrained.py).
     model = build_for_engine(cfg.model, ds_config, env.is_main)
@@ -172,8 +168,7 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     loop = TrainingLoop(LoopParts(cfg=cfg, engine=engine, state=state, device=device,
                                   stage=zero_stage(ds_config), env=env, schedule=schedule,
                                   stream=stream, manifest=regime.manifest, tracker=tracker,
-                                  ckpt_root=ckpt_root, curriculum=curriculum,
-                                  throughput=throughput))
+                                  ckpt_root=ckpt_root, curriculum=curriculum))
     try:
         status = loop.run()
     except BaseException:
