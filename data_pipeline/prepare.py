@@ -3,6 +3,9 @@
     memtrain prepare --corpus enwik8 --data-dir data/raw --out data/enwik8 [--download]
     memtrain prepare --corpus text --train 'books/*.txt' --tokenizer bpe --out data/books
     memtrain prepare --corpus text --train 'books/*.txt' --tokenizer hf:ckpt/gpt2 --out data/b
+    memtrain prepare --corpus jsonl --train 'docs/*.jsonl' --field text --seg-len 128 --out d
+    memtrain prepare --corpus parquet --train qa.parquet --context-field context \
+        --question-field question --answer-field answer --seg-len 256 --out data/qa
     memtrain tasks copy --src-len 24 --n-segments 3 --out data/copy24
     memtrain tasks copy --src-len 24 --tokenizer hf:ckpt/gpt2 --out data/copy24-gpt2
     memtrain tasks associative_rewrite --param n_pairs=4 --param n_rewrites=2 --n-segments 7 \
@@ -13,6 +16,10 @@
 tokenizer, which the manifest names and fingerprints (data_pipeline/hf_tokenizer.py); a run
 with `model.backbone: hf` trains only on data of its checkpoint's tokenizer
 (docs/pretrained_data_notes.md).
+
+`--corpus jsonl|parquet|datasets` reads records, one document (or one context, question and
+answer) per row, and writes them as episodes: data_pipeline/prepare_records.py,
+docs/data-formats.md.
 
 Relative --train/--valid/--test files and globs are found from the working directory (or
 from --data-dir when it is given). An error prints one line and exits with code 2 (a bad
@@ -46,9 +53,26 @@ def _out_dir(path: str) -> Path:
     return out
 
 
+# Options of the record corpora only (data_pipeline/prepare_records.py): attribute -> option.
+RECORD_OPTIONS = {"field": "--field", "context_field": "--context-field",
+                  "question_field": "--question-field", "answer_field": "--answer-field",
+                  "chat_template": "--chat-template", "seg_len": "--seg-len",
+                  "seq_len": "--seq-len", "on_bad_row": "--on-bad-row",
+                  "samples_per_shard": "--samples-per-shard"}
+
+
 def prepare_corpus(args) -> Manifest:
     from .corpora import open_corpus
+    from .records import FORMATS
 
+    if args.corpus in FORMATS:
+        from .prepare_records import prepare_records
+        return prepare_records(args, _out_dir)
+    # A Namespace built in code (benchmarks/bench_data.py) may lack these attributes.
+    given = [opt for attr, opt in RECORD_OPTIONS.items() if getattr(args, attr, None)]
+    if given:
+        raise ValueError(f"{', '.join(given)}: for --corpus {', '.join(FORMATS)} (records), "
+                         f"not {args.corpus}")
     files = {s: getattr(args, s) for s in ("train", "valid", "test") if getattr(args, s)}
     if files and args.corpus != "text":
         raise ValueError(f"--train/--valid/--test are for --corpus text; {args.corpus} has "
@@ -176,7 +200,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 def main_prepare(argv: list[str] | None = None) -> int:
     p = _parser("memtrain prepare")
     p.add_argument("--corpus", required=True,
-                   help="enwik8, text8, wt103, wt2, ptb, or text (your own files)")
+                   help="enwik8, text8, wt103, wt2, ptb, text (your own files), or jsonl, "
+                   "parquet, datasets (records, one per row: docs/data-formats.md)")
     p.add_argument("--data-dir", help="benchmarks: where the raw files are / go (default "
                    f"{DEFAULT_DATA_DIR}); text: the folder relative --train/--valid/--test "
                    "paths start from (default: the working directory)")
@@ -188,9 +213,28 @@ def main_prepare(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer-revision", default="",
                    help="with hf:<hub name>: the branch, tag or commit to load")
     p.add_argument("--bpe-vocab-size", type=int, default=32000)
-    p.add_argument("--train", nargs="+", help="text corpus: train files/globs (quote globs)")
-    p.add_argument("--valid", nargs="+", help="text corpus: valid files/globs (optional)")
-    p.add_argument("--test", nargs="+", help="text corpus: test files/globs (optional)")
+    p.add_argument("--train", nargs="+", help="text, jsonl, parquet: train files/globs "
+                   "(quote globs; for jsonl/parquet a folder means its *.jsonl/*.parquet); "
+                   "datasets: save_to_disk folders, or hub:<name>[:<split>] with network")
+    p.add_argument("--valid", nargs="+", help="valid files/globs/folders (optional)")
+    p.add_argument("--test", nargs="+", help="test files/globs/folders (optional)")
+    rec = p.add_argument_group("records (--corpus jsonl, parquet, datasets)")
+    rec.add_argument("--field", help="the field holding each document's text (default: text)")
+    rec.add_argument("--context-field", help="with --question-field and --answer-field: "
+                     "long-context samples, the loss on the answer only (BABILong's layout)")
+    rec.add_argument("--question-field")
+    rec.add_argument("--answer-field")
+    rec.add_argument("--chat-template", action="store_true", help="write context+question "
+                     "and answer as one user and one assistant turn of the tokenizer's chat "
+                     "template (--tokenizer hf:<checkpoint> with a template only)")
+    rec.add_argument("--seg-len", type=int, help="the run's segment length (model.tgt_len): "
+                     "samples are whole segments (required)")
+    rec.add_argument("--seq-len", type=int, help="positions per sample (whole segments); "
+                     "longer rows are bad rows (default: the longest row, rounded up)")
+    rec.add_argument("--on-bad-row", choices=("skip", "fail"), help="a row with a missing, "
+                     "non-string or empty field: skip it and report it by file and row "
+                     "(default), or stop at the first")
+    rec.add_argument("--samples-per-shard", type=int, help="default 10000")
     p.add_argument("--chunk-tokens", type=int, default=1 << 20)
     p.add_argument("--chunks-per-shard", type=int, default=64)
     p.add_argument("--verify", action="store_true", help="re-hash every shard afterwards")
