@@ -205,7 +205,10 @@ def _jsonl_rows(path: str) -> Iterator[tuple[Where, object]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise RecordFileError(f"{path} line {number}: not valid JSONL ({e.msg} at "
+                # json's messages that name a place end in "at" ("Unterminated string
+                # starting at"); the others do not ("Expecting value", "Extra data").
+                at = "" if e.msg.endswith(" at") else " at"
+                raise RecordFileError(f"{path} line {number}: not valid JSONL ({e.msg}{at} "
                                       f"column {e.colno})") from None
             yield Where(path, number, "line"), row
 
