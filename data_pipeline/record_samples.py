@@ -233,7 +233,8 @@ def read_split(inputs: list[Input], encoder: Encoder, bad: BadRows) -> SplitRows
                 bad.add(where, str(err))
                 continue
             if answer is None and prompt.size < 2:
-                bad.add(where, f"{prompt.size} token: nothing to predict")
+                bad.add(where, f"{prompt.size} token{'s' * (prompt.size != 1)}: "
+                        "nothing to predict")
                 continue
             out.prompts.append(prompt)
             if answer is not None:
