@@ -191,7 +191,8 @@ def prepare_records(args, make_out=None) -> Manifest:
         raise ValueError(f"--corpus {args.corpus!r} is not a record format ({', '.join(FORMATS)})")
     seg_len, seq_len = _check_lengths(args)
     policy = getattr(args, "on_bad_row", None) or "skip"
-    per_shard = getattr(args, "samples_per_shard", None) or DEFAULT_SAMPLES_PER_SHARD
+    per_shard = getattr(args, "samples_per_shard", None)
+    per_shard = DEFAULT_SAMPLES_PER_SHARD if per_shard is None else per_shard
     if per_shard < 1:
         raise ValueError(f"--samples-per-shard must be >= 1, got {per_shard}")
     fields = record_fields(args)
