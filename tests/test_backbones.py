@@ -1,8 +1,9 @@
 """The backbones answer through one interface (model/backbones/), looked up by
 `model.backbone` in one registry; a ModelConfig is built without reading anything, and the
 pretrained checkpoint's shape is read in a step of its own (`resolve_shape`), without which
-whatever needs the shape refuses by name; one table of supported architectures
-(model/pretrained/architectures.py) serves the shape reader, the positions and the planner."""
+whatever needs the shape refuses by name; what an architecture is (positions, logits,
+windows, experts) is read from its config (model/pretrained/traits.py) and the planner's
+layouts are the one table left (model/pretrained/architectures.py)."""
 
 from types import SimpleNamespace
 
@@ -14,8 +15,9 @@ from model import ConfigError, ModelConfig, backbone_of, build_model, resolve_sh
 from model.backbones import BACKBONES, Backbone, shape_class
 from model.config import BACKBONE_TRAITS
 from model.pretrained import checkpoint_config
-from model.pretrained.architectures import ARCHITECTURES, architecture, planned
+from model.pretrained.architectures import planned
 from model.pretrained.shapes import layout
+from model.pretrained.traits import config_traits
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +71,13 @@ def test_the_native_stack_reads_nothing_and_its_shape_is_its_config():
     assert cfg.shape_read and resolve_shape(cfg) is cfg and cfg.vocab_size == 50
 
 
-def test_an_architecture_missing_from_the_table_is_refused_naming_the_supported_ones():
-    with pytest.raises(ConfigError) as err:
-        architecture(SimpleNamespace(model_type="bloom"))
+def test_an_architecture_that_cannot_hold_memory_tokens_is_refused_naming_why():
+    # No list of names any more: an architecture is refused by what its config says it is.
+    with pytest.raises(ConfigError, match="'t5' is an encoder-decoder model") as err:
+        config_traits(SimpleNamespace(model_type="t5", is_encoder_decoder=True))
     assert err.value.field == "model.hf.path"
-    assert f"supported: {', '.join(sorted(ARCHITECTURES))}" in str(err.value)
-    # The planner's layouts are entries of the same table; a supported architecture the
-    # planner has none for is refused naming the planned ones.
+    # The planner's layouts are the one table left; an architecture the planner has none
+    # for is refused naming the planned ones.
     assert planned() == ["gpt2", "llama", "mistral", "qwen2"]
     with pytest.raises(ConfigError, match="planned architectures: gpt2, llama, mistral, "
                                           "qwen2$"):

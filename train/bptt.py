@@ -45,6 +45,10 @@ class WindowResult:
     state: MemoryState | None   # memory after the last segment, detached
     correct: torch.Tensor       # counted tokens predicted right (teacher forcing)
     state_before_last: MemoryState | None  # memory entering the last segment, detached
+    # The model's auxiliary loss term in `loss` (the mean of the counted segments'
+    # `aux_loss`: RMT's memory loss, a mixture-of-experts base's load balancing), detached;
+    # None when it has none. Logged apart from the LM loss (train/loop.py).
+    aux: torch.Tensor | None = None
 
 
 def run_window(forward, state: MemoryState | None, segments: list[SegmentBatch],
@@ -96,7 +100,8 @@ def run_window(forward, state: MemoryState | None, segments: list[SegmentBatch],
         nll_sum = seg_nll if nll_sum is None else nll_sum + seg_nll
         n_tok = out.n_tokens if n_tok is None else n_tok + out.n_tokens
         if out.aux_loss is not None:
-            # The mechanism's weighted auxiliary loss (RMT §3.4), apart from the LM loss.
+            # The model's weighted auxiliary loss (RMT §3.4; a mixture-of-experts base's
+            # load balancing, model/pretrained/router.py), apart from the LM loss.
             aux = out.aux_loss if aux is None else aux + out.aux_loss
             n_aux += 1
         with torch.no_grad():
@@ -113,7 +118,8 @@ def run_window(forward, state: MemoryState | None, segments: list[SegmentBatch],
         loss = loss + aux / n_aux
     return WindowResult(loss=loss, nll_sum=nll_sum.detach(), n_tokens=n_tok.detach(),
                         state=state.detach() if state is not None else None,
-                        correct=correct, state_before_last=entering_last)
+                        correct=correct, state_before_last=entering_last,
+                        aux=(aux / n_aux).detach() if aux is not None else None)
 
 
 def _any_on_host(flags: torch.Tensor) -> bool:

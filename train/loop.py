@@ -98,6 +98,10 @@ class TrainingLoop:
         # non-finite], and the new tokens of those micro-steps.
         self._pending: torch.Tensor | None = None
         self._pending_new = 0
+        # The model's auxiliary loss term (train/bptt.py `WindowResult.aux`) since the last
+        # log line: the sum read with the flags (over ranks), and this rank's windows with
+        # one; logged apart from the LM loss as "aux_loss" when any window had one.
+        self._aux_sum, self._aux_windows = 0.0, 0
         # What the final report scores, chosen once (_scored).
         self._final_scored: tuple | None = None
         # Model FLOPs of this rank's windows, counted on the host from their shapes: the
@@ -118,12 +122,15 @@ class TrainingLoop:
                          recompute=self.cfg.bptt.recompute,
                          keep_last_segments=self.cfg.bptt.keep_last_segments)
         # No host sync here: the window's sums and its non-finite flag stay on the device.
-        sums = torch.stack([res.nll_sum.double(), res.n_tokens.double(),
+        aux = (res.aux.double() if res.aux is not None
+               else res.nll_sum.new_zeros((), dtype=torch.double))
+        sums = torch.stack([res.nll_sum.double(), res.n_tokens.double(), aux,
                             (~torch.isfinite(res.loss.detach())).double()])
         p = self._pending
-        self._pending = sums if p is None else torch.cat([p[:2] + sums[:2],
-                                                          torch.maximum(p[2:], sums[2:])])
+        self._pending = sums if p is None else torch.cat([p[:3] + sums[:3],
+                                                          torch.maximum(p[3:], sums[3:])])
         self._pending_new += window.new_tokens
+        self._aux_windows += res.aux is not None
         self.engine.backward(res.loss)
         nll = n = 0.0
         bad = stop = new = 0
@@ -189,7 +196,8 @@ class TrainingLoop:
 
     def _read_flags(self) -> tuple[float, float, float, float, float]:
         """THE host sync of a training step (tests/test_sync_free.py): one all-reduce of [nll
-        sum, counted tokens, non-finite ranks, stop ranks, new tokens] and one read of it. It
+        sum, counted tokens, auxiliary loss sum, non-finite ranks, stop ranks, new tokens]
+        and one read of it (the auxiliary sum is kept for the log line). It
         cannot go: every rank must stop (signal) at the same step, fp32/bf16 must stop before the
         update a non-finite loss would make, and under fp16 the next window's memory
         depends on it (after_nonfinite). It is read after the backward, so the device has
@@ -198,15 +206,27 @@ class TrainingLoop:
         `torch.cuda.set_sync_debug_mode("warn")` around a step should report only this."""
         p, new = self._pending, float(self._pending_new)
         self._pending, self._pending_new = None, 0
-        vec = p.new_empty(5)
-        vec[:3] = p
+        vec = p.new_empty(6)
+        vec[:4] = p
         # Host scalars enter as fills (kernel arguments), not as a blocking host copy.
-        vec[3].fill_(1.0 if self.signals.received else 0.0)
-        vec[4].fill_(new)
+        vec[4].fill_(1.0 if self.signals.received else 0.0)
+        vec[5].fill_(new)
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
             torch.distributed.all_reduce(vec)
-        nll, n, bad, stop, new = vec.tolist()
+        nll, n, aux, bad, stop, new = vec.tolist()
+        self._aux_sum += aux
         return nll, n, bad, stop, new
+
+    def _aux_metric(self) -> dict[str, float]:
+        """{"aux_loss": the mean auxiliary loss term of the windows since the last log line
+        (over ranks: every rank runs as many windows)}, or {} for a model without one."""
+        windows, self._aux_windows = self._aux_windows, 0
+        total, self._aux_sum = self._aux_sum, 0.0
+        if not windows:
+            return {}
+        world = (torch.distributed.get_world_size() if torch.distributed.is_initialized()
+                 else 1)
+        return {"aux_loss": total / (windows * world)}
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> None:
@@ -328,6 +348,7 @@ class TrainingLoop:
                            "peak_mem_mb": peak_memory_mb(self.device),
                            **self.throughput.read(now - last_log)}
                 metrics.update(self.curriculum.metrics())
+                metrics.update(self._aux_metric())
                 if cfg.model.compile:  # graphs torch.compile built so far (model/compiled.py)
                     metrics["compiled_graphs"] = compiled_graphs()
                 norm = self.engine.get_global_grad_norm() if self.stage else self.grad_norm

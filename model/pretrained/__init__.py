@@ -1,8 +1,11 @@
 """model/pretrained/: a memory mechanism (RMT, ARMT, or any registered one that states how,
 model/mechanisms/) around a pretrained Hugging Face causal LM.
 
-    architectures.py  the one table of supported architectures (model_type -> position
-                   scheme, feed-forward width field, planner layout, logits' post-processing)
+    architectures.py  the planner's layer layouts, the one table of model types left
+    traits.py      what an architecture is, read from its config: positions, logits'
+                   post-processing, sliding windows, mixture of experts
+    probe.py       the same checked once at load against the model's own forward
+    router.py      a mixture-of-experts base's load-balancing loss, as its forward adds it
     checkpoint_config.py  the shape read from the checkpoint's config (a step of its own,
                    after the ModelConfig is built); the segment lengths its positions allow
     incremental.py generation: the open segment read through the base model's KV cache

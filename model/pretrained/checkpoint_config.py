@@ -1,5 +1,5 @@
 """What a pretrained checkpoint's own config says: the shape ModelConfig takes from it, and
-how the architecture encodes positions (architectures.py; the memory position policy is in
+how the architecture encodes positions (traits.py; the memory position policy is in
 positions.py).
 
 A local directory (what `save_pretrained` writes, or a GGUF file inside one) loads with no
@@ -18,17 +18,13 @@ from pathlib import Path
 from memtrain.extras import missing_extra
 
 from ..typed import ConfigError
-from .architectures import architecture
+from .traits import Traits, check_rows, config_traits, d_inner
 
 
 def position_kind(hf_config) -> str:
-    """The architecture's position scheme (architectures.py), or a ConfigError naming what
-    is supported."""
-    return architecture(hf_config).positions
-
-
-def _d_inner(c) -> int:
-    return getattr(c, architecture(c).inner, None) or 4 * c.hidden_size
+    """The architecture's position scheme as its config states it (traits.py; the loaded
+    model's probe has the last word), or a ConfigError naming what cannot hold memory."""
+    return config_traits(hf_config).positions
 
 
 # ModelConfig field -> how it is read from a transformers config (its attribute_map gives
@@ -39,7 +35,7 @@ _SHAPE = {
     "n_layer": lambda c: c.num_hidden_layers,
     "n_head": lambda c: c.num_attention_heads,
     "d_head": lambda c: getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-    "d_inner": _d_inner,
+    "d_inner": d_inner,
 }
 SHAPE_FIELDS = tuple(_SHAPE)
 
@@ -128,17 +124,31 @@ def check_segment_positions(cfg, seg_len: int, option: str) -> None:
     _check_table(hf_config(cfg.hf), cfg, seg_len, option)
 
 
+def check_loaded(cfg, traits) -> None:
+    """`resolve_shape`'s position checks again with what the loaded model's probe found
+    (probe.py), which may correct the config's guess."""
+    _check_table(traits, cfg, cfg.tgt_len, "model.tgt_len")
+
+
 def _check_table(hf, cfg, seg_len: int, option: str) -> None:
-    kind = position_kind(hf)
-    limit = getattr(hf, "max_position_embeddings", None)
+    """`hf`: the checkpoint's config, or the loaded model's probed traits."""
+    traits = hf if isinstance(hf, Traits) else config_traits(hf)
+    kind = traits.positions
+    if kind == "sequence":
+        from .traits import refuse_sequence_positions
+        raise refuse_sequence_positions(traits.model_type, "its config names ALiBi")
+    limit = traits.table or None
     mech = cfg.mech
     blocks, m = mech.memory_blocks, mech.num_mem_tokens(cfg)
     need = max_position(m, seg_len, blocks)
-    mech.check_positions(cfg, kind, hf.model_type)
+    mech.check_positions(cfg, kind, traits.model_type)
+    # Rows through the decoder: at least the positions' span (Titans interleaves more;
+    # the wrapper checks the rows it runs, wrapper.py).
+    what = "tgt_len" if option.endswith("tgt_len") else "segment length"
+    check_rows(traits, need, option, f"{blocks} x num_mem_tokens + {what}")
     # With ARMT's 'table_end' the memory owns the table's last m rows; the tokens stay
     # below them.
     if kind == "absolute" and limit is not None and need > limit:
-        what = "tgt_len" if option.endswith("tgt_len") else "segment length"
         raise ConfigError(option, f"{blocks} x num_mem_tokens + {what} = {need} positions "
                           f"({blocks} x {m} + {seg_len}), beyond the "
                           f"model's learned table of {limit}")

@@ -57,13 +57,16 @@ from contextlib import contextmanager
 import torch
 
 from ..rmt import rmt_allowed
-from ..typed import ConfigError
 
 
 def check_accepts_positions(decoder) -> None:
+    """Refuse a decoder whose forward takes no position ids (Bloom: ALiBi biases built from
+    the padding mask; recurrent models: the row order itself), naming the property."""
     if "position_ids" not in inspect.signature(decoder.forward).parameters:
-        raise ConfigError("model.hf.path", f"{type(decoder).__name__}.forward takes no "
-                          "position_ids, so memory positions cannot be placed")
+        from .traits import refuse_sequence_positions
+        raise refuse_sequence_positions(
+            decoder.config.model_type,
+            f"{type(decoder).__name__}.forward takes no position_ids")
 
 
 def memory_position_ids(m: int, n_tok: int, tgt_len: int, device=None,
@@ -120,7 +123,11 @@ def causal_attention(base, n_rows: int, dtype: torch.dtype, device=None
     yields the `attention_mask` to pass (module docstring). SDPA: None, with the config's
     attention implementation set to SDPA_CAUSAL for the body of the with-block; a layer
     re-run later (gradient checkpointing) under "sdpa" with the same None mask runs the
-    same call. Eager: the 4-D additive causal mask [1, 1, n, n] (0 / dtype min)."""
+    same call. Eager: the 4-D additive causal mask [1, 1, n, n] (0 / dtype min). A model
+    whose attention does not go through transformers' attention functions (Falcon and
+    StableLM compare the implementation's name themselves; traits.py `attention`, checked
+    at load by probe.py): the boolean 4-D causal mask under its own "sdpa"."""
+    from .probe import traits_of
     config = base.config
     impl = config._attn_implementation
     if impl == "eager":
@@ -132,6 +139,9 @@ def causal_attention(base, n_rows: int, dtype: torch.dtype, device=None
     if impl != "sdpa":
         raise ValueError(f"attention implementation {impl!r}: 'sdpa' or 'eager' "
                          "(model.hf.attn_implementation)")
+    if traits_of(base).attention == "mask":
+        yield torch.ones(n_rows, n_rows, dtype=torch.bool, device=device).tril()[None, None]
+        return
     _register_sdpa_causal()
     config._attn_implementation = SDPA_CAUSAL
     try:

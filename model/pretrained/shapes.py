@@ -53,8 +53,9 @@ from ..loss import chunk_rows
 from ..shapes import SdpaShape, SegmentShapes, StatedBlock, StatedLayer, TensorShape
 from ..typed import ConfigError
 from .activations import effective_activation
-from .architectures import ARCHITECTURES, GPT2, Layout, architecture, planned
+from .architectures import GPT2, LAYOUTS, Layout, planned
 from .checkpoint_config import SHAPE_FIELDS, hf_config, require_shape
+from .traits import config_traits
 
 # [B, Q, I] tensors an activation keeps: its input (SiLU, exact and tanh GELU kernels), or
 # the four of transformers' Python tanh GELU (module docstring).
@@ -99,8 +100,17 @@ class Base:
 
 def layout(hf) -> Layout:
     """The planner's layout of the checkpoint's architecture (architectures.py), or a
-    ConfigError naming the architectures it has one for."""
-    lay = architecture(hf).layout
+    ConfigError naming the architectures it has one for. A mixture-of-experts model is
+    refused by that name: the planner states one dense feed-forward block per layer, not
+    every expert's weights beside the routed top-k's activations."""
+    moe = config_traits(hf).moe
+    if moe is not None:
+        raise ConfigError("model.hf.path", f"`memtrain plan` does not state the segment "
+                          f"shapes of a mixture-of-experts model ({hf.model_type!r}: "
+                          f"{moe.experts} experts, top {moe.top_k} per token): its expert "
+                          "weights and routed activations are not counted "
+                          "(model/pretrained/shapes.py); it trains, unplanned")
+    lay = LAYOUTS.get(hf.model_type)
     if lay is None:
         raise ConfigError("model.hf.path", f"`memtrain plan` has no segment shapes for "
                           f"{hf.model_type!r} (model/pretrained/shapes.py); planned "
@@ -154,7 +164,7 @@ def _base(key: str) -> Base:
         dropout=float(getattr(hf, lay.dropouts[0], 0.0) or 0.0) if lay.dropouts[0] else 0.0,
         embd_dropout=float(getattr(hf, lay.dropouts[1], 0.0) or 0.0) if lay.dropouts[1]
         else 0.0,
-        rotary=architecture(hf).positions == "rotary",
+        rotary=config_traits(hf).positions == "rotary",
         linears={n: _linear(layer.get_submodule(n)) for n in names},
         norm_trains={lay.attn_norm: norm(layer.get_submodule(lay.attn_norm)),
                      lay.ffn_norm: norm(layer.get_submodule(lay.ffn_norm)),
@@ -259,7 +269,7 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
     (a pretrained backbone keeps no XL cache). The backward phases were read off the
     allocator's events of each backward node (benchmarks/bench_memory_plan.py)."""
     f = base_facts(cfg)
-    lay = ARCHITECTURES[f.model_type].layout
+    lay = LAYOUTS[f.model_type]
     b, n = rows, cfg.tgt_len
     # The mechanism's rows: RMT's [read | tokens | write], ARMT's [tokens | memory], ...
     mem = cfg.mech.pretrained_rows(cfg, b, f.trained["associative"])

@@ -1,6 +1,6 @@
 """Tiny random pretrained checkpoints, for rehearsing the commands and for the tests.
 
-    python -m model.pretrained.tiny llama ckpt/tiny-llama     # or gpt2
+    python -m model.pretrained.tiny llama ckpt/tiny-llama     # or gpt2, gemma, mixtral
 
 writes what `save_pretrained` writes for a 2-layer model with random weights and a
 50-symbol character tokenizer (lower-case letters, digits, space, newline, punctuation and
@@ -67,7 +67,52 @@ def tiny_llama(path: Path, *, d: int = 64, layers: int = 2, tied: bool = False,
     return path
 
 
-TINY = {"gpt2": tiny_gpt2, "llama": tiny_llama}
+def tiny_gemma(path: Path, *, d: int = 64, layers: int = 2, tied: bool = True,
+               seed: int = 0, tokenizer: bool = False, vocab: int = V,
+               sliding_window: int = 128, softcap: float = 30.0) -> Path:
+    """Gemma 3 family (text): token embeddings scaled by sqrt(d_model) inside the embedding
+    module, logits soft-capped (`final_logit_softcapping`, Gemma 2's 30 by default),
+    sliding-window layers alternating with global ones, RMSNorm on queries and keys,
+    grouped-query attention, GeGLU."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    path = Path(path)
+    if not (path / "config.json").exists():
+        torch.manual_seed(seed)
+        Gemma3ForCausalLM(Gemma3TextConfig(
+            vocab_size=vocab, hidden_size=d, intermediate_size=2 * d, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=d // 4,
+            max_position_embeddings=256, sliding_window=sliding_window,
+            layer_types=["sliding_attention", "full_attention"] * (layers // 2)
+            + ["sliding_attention"] * (layers % 2),
+            final_logit_softcapping=softcap, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+            tie_word_embeddings=tied)).save_pretrained(path)
+    if tokenizer and not (path / "tokenizer.json").exists():
+        save_char_tokenizer(path)
+    return path
+
+
+def tiny_mixtral(path: Path, *, d: int = 64, layers: int = 2, tied: bool = False,
+                 seed: int = 0, tokenizer: bool = False, vocab: int = V, experts: int = 4,
+                 top_k: int = 2, aux_coef: float = 0.01) -> Path:
+    """Mixtral family: a mixture of `experts` SwiGLU experts per layer, `top_k` routed per
+    token, whose config asks its forward for the routers' load-balancing loss
+    (`output_router_logits`, weight `router_aux_loss_coef`)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    path = Path(path)
+    if not (path / "config.json").exists():
+        torch.manual_seed(seed)
+        MixtralForCausalLM(MixtralConfig(
+            vocab_size=vocab, hidden_size=d, intermediate_size=d, num_hidden_layers=layers,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            num_local_experts=experts, num_experts_per_tok=top_k, output_router_logits=True,
+            router_aux_loss_coef=aux_coef, bos_token_id=0, eos_token_id=0,
+            tie_word_embeddings=tied)).save_pretrained(path)
+    if tokenizer and not (path / "tokenizer.json").exists():
+        save_char_tokenizer(path)
+    return path
+
+
+TINY = {"gpt2": tiny_gpt2, "llama": tiny_llama, "gemma": tiny_gemma, "mixtral": tiny_mixtral}
 
 
 def main(argv: list[str] | None = None) -> int:

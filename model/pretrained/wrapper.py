@@ -11,7 +11,11 @@ mechanism's `pretrained_decode` (model/mechanisms/: RMT's [read | tokens | write
 ARMT's [tokens | memory] rows with hooks around the base's layers). The state is the
 mechanism's `MemoryState` (model/memory.py), not detached here: the caller's BPTT windows
 cut it, exactly as for the native stack, so the loop, checkpoints, evaluation and
-generation run it unchanged. The head and the loss are the base model's.
+generation run it unchanged. The head and the loss are the base model's: its logits'
+post-processing (logits.py) and, for a mixture-of-experts model whose config asks for it,
+its routers' load-balancing loss (router.py) as the segment's `aux_loss`, which the
+training loss adds (train/bptt.py) as the base model's forward adds it to its own. What
+the architecture is was checked once at load (probe.py).
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ from ..config import ModelConfig
 from ..loss import chunk_rows, cut_logits, logits_nll, padded_head, segment_nll
 from ..memory import MemoryState
 from ..segment_lm import LMOutput, SegmentLM, add_lm_loss
-from .checkpoint_config import position_kind
+from .checkpoint_config import check_loaded
 from .loading import apply_finetune, load_base
-from .logits import check_logits, lm_logits
+from .logits import lm_logits
 from .positions import check_accepts_positions
+from .probe import probe
+from .router import find_router
+from .traits import check_rows
 
 
 class PretrainedMemoryLM(SegmentLM):
@@ -37,7 +44,6 @@ class PretrainedMemoryLM(SegmentLM):
     def __init__(self, cfg: ModelConfig, base=None, memory_scale: float | None = None):
         super().__init__(cfg)
         base = base if base is not None else load_base(cfg)
-        self.position_kind = position_kind(base.config)
         check_accepts_positions(base.base_model)
         apply_finetune(base, cfg.hf)
         if cfg.checkpoint_layers:
@@ -49,7 +55,16 @@ class PretrainedMemoryLM(SegmentLM):
         for name, value in self.mechanism.pretrained_parameters(cfg, base,
                                                                 memory_scale).items():
             setattr(self, name, value)
-        check_logits(base)
+        traits = probe(base)
+        check_loaded(cfg, traits)
+        self.position_kind = traits.positions
+        # Not a submodule: its modules are the base's routers.
+        self._router = find_router(base, traits.moe)
+        self._router_loss: torch.Tensor | None = None
+        if traits.sliding_window:
+            # Every mechanism's decoder rows, as they run (Titans interleaves 2L + P).
+            base.base_model.register_forward_pre_hook(_window_check(traits, cfg),
+                                                      with_kwargs=True)
 
     @property
     def num_mem_tokens(self) -> int:
@@ -67,7 +82,15 @@ class PretrainedMemoryLM(SegmentLM):
         if state is None:
             state = self.initial_state(tokens.shape[0], tokens.device)
         emb = self.base.get_input_embeddings()(tokens)
-        return self.mechanism.pretrained_decode(self, emb, state)
+        if self._router is None or not torch.is_grad_enabled():
+            return self.mechanism.pretrained_decode(self, emb, state)
+        with self._router.routed() as routed:
+            hidden, state = self.mechanism.pretrained_decode(self, emb, state)
+        # Made here, inside a checkpointed segment's recomputed region (SegmentLM.forward
+        # checkpoints `decode`), and read by the `score` that follows this decode: decode
+        # returns only (hidden, state).
+        self._router_loss = self._router.coef * self._router.balance_loss(routed)
+        return hidden, state
 
     def open_segment(self, state: MemoryState):
         """The open segment of a generation, as the mechanism reads it (RMT and ARMT:
@@ -77,6 +100,7 @@ class PretrainedMemoryLM(SegmentLM):
 
     def score(self, hidden, state, targets, loss_mask, return_log_probs) -> LMOutput:
         out = LMOutput(state=state)
+        router_loss, self._router_loss = self._router_loss, None
         if return_log_probs:
             out.log_probs = torch.log_softmax(lm_logits(self.base, hidden).float(), dim=-1)
         if targets is None:
@@ -97,4 +121,16 @@ class PretrainedMemoryLM(SegmentLM):
                 return logits_nll(lm_logits(self.base, h, cut_logits(h, padded, vocab)), t)
         nll = segment_nll(rows_nll, hidden, targets, loss_mask, chunk_rows(vocab))
         add_lm_loss(out, nll, loss_mask)
+        # The base model's forward adds its weighted load-balancing loss to the loss of
+        # every forward given labels (router.py).
+        out.aux_loss = router_loss
         return out
+
+
+def _window_check(traits, cfg):
+    def hook(_module, args, kwargs):
+        x = kwargs.get("inputs_embeds")
+        if x is not None:
+            check_rows(traits, x.shape[1], "model.tgt_len",
+                       f"a segment of {cfg.mechanism.upper()} (memory and tokens)")
+    return hook
