@@ -59,6 +59,10 @@ class PretrainedOptions:
     # approximation in one fused kernel (model/pretrained/activations.py); false keeps the
     # original module.
     fused_gelu: bool = True
+    # The MLP's activation output is recomputed from its input in backward instead of kept
+    # (model/pretrained/activation_recompute.py): one [B, Q, I] tensor less per layer, the
+    # same gradients bitwise; off under `model.compile`, whose compiler chooses itself.
+    recompute_activation: bool = True
     # The loss's head GEMM over a vocabulary padded with zero rows to a multiple of this
     # (e.g. 128: GPT-2's 50,257 -> 50,304, aligned tiles on a GPU); the padding's logits are
     # cut off before the softmax, so the loss is the unpadded one (model/loss.py). 0: off.

@@ -36,9 +36,12 @@ def gpt2(tmp_path_factory):
 
 
 def _base(path, fused: bool):
+    # The activation's own ops, without the recompute of its output in backward
+    # (model.hf.recompute_activation, counted in tests/test_activation_recompute.py).
     cfg = ModelConfig.from_dict({"mechanism": "rmt", "backbone": "hf", "tgt_len": 8,
                                  "mem_len": 0, "rmt": {"num_mem_tokens": 0},
-                                 "hf": {"path": str(path), "fused_gelu": fused}})
+                                 "hf": {"path": str(path), "fused_gelu": fused,
+                                        "recompute_activation": False}})
     return load_base(resolve_shape(cfg)).eval()
 
 

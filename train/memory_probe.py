@@ -78,13 +78,13 @@ def build_for_probe(cfg: ModelConfig, precision: str, device: str = "cpu") -> to
         return build_model(cfg).to(device, DTYPES[precision]).train()
     from transformers import AutoModelForCausalLM
 
-    from model.pretrained.activations import fuse_gelu
     from model.pretrained.checkpoint_config import hf_config
+    from model.pretrained.loading import training_activations
     with torch.device(device):
         base = AutoModelForCausalLM.from_config(
             hf_config(cfg.hf), attn_implementation=cfg.hf.attn_implementation)
         base.config.use_cache = False
-        fuse_gelu(base, cfg.hf)   # the activation training runs (loading.py load_base)
+        training_activations(base, cfg.hf)   # as training runs them (loading.py load_base)
         model = build_model(cfg, base=base)
     return model.to(device, DTYPES[precision]).train()
 

@@ -10,6 +10,7 @@ import torch
 from memtrain.extras import missing_extra
 
 from ..typed import ConfigError
+from .activation_recompute import recompute_activations
 from .activations import fuse_gelu
 from .checkpoint_config import _source
 
@@ -20,7 +21,8 @@ _said_eager: set[str] = set()
 def load_base(cfg, dtype: torch.dtype = torch.float32):
     """The pretrained AutoModelForCausalLM of `cfg.hf`, in `dtype`, with no KV cache; a
     `gelu_new` activation runs fused unless `model.hf.fused_gelu` is false
-    (activations.py)."""
+    (activations.py), and the MLP's activation is recomputed in backward unless
+    `model.hf.recompute_activation` is false (activation_recompute.py)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # one bar per load floods every rank's log
@@ -37,8 +39,16 @@ def load_base(cfg, dtype: torch.dtype = torch.float32):
         raise ConfigError("model.hf.path", f"cannot load {cfg.hf.path!r}: "
                           f"{str(err).splitlines()[0]}") from err
     model.config.use_cache = False
-    fuse_gelu(model, cfg.hf)
+    training_activations(model, cfg.hf)
     return model
+
+
+def training_activations(base, opts) -> None:
+    """The activations of `base` as training runs them, in place: a `gelu_new` fused
+    (activations.py), the MLP's activation output recomputed in backward
+    (activation_recompute.py), each unless its option says no."""
+    fuse_gelu(base, opts)
+    recompute_activations(base, opts)
 
 
 def _has_sdpa(source: dict) -> bool:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .activation_recompute import remove_recompute
 from .associative import decoder_layers_name
 
 
@@ -43,6 +44,10 @@ def compile_decoder_layers(model: nn.Module, backend: str, compile_fn) -> int:
     `compile_fn(fn, backend)` is model/compiled.py's torch.compile. Returns the number of
     layers."""
     layers = decoder_layers(model)
+    # The compiler's partitioner picks what to recompute among the elementwise ops it fuses
+    # (the activation included); saved-tensor hooks inside a traced layer would only get in
+    # its way (activation_recompute.py).
+    remove_recompute(model.base)
     kinds = {type(layer) for layer in layers}
     # A graph per kind of layer and per shape of segment (the full one, then a short last
     # segment, compiled with a dynamic length), with room for inputs that guard otherwise

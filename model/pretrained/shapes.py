@@ -305,10 +305,16 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
     # The activation's backward beside the gradient reaching it: two more [B, Q, I] (the
     # product's two operand gradients; the Python GELU's products), one for a single op.
     acts, act_grads = ACTIVATION_SAVES[f.activation], 3
+    # A one-kernel activation's output is recomputed in backward, not kept
+    # (`model.hf.recompute_activation`, activation_recompute.py; not under model.compile).
+    recompute = (cfg.hf.recompute_activation and not cfg.compile
+                 and ACTIVATION_SAVES[f.activation] == 1)
     if lay.gated:
-        acts += 2                                                # SiLU(gate), up
+        acts += 1 if recompute else 2                  # up (and SiLU(gate) unless recomputed)
+        act_grads += recompute                         # SiLU(gate) again, for up's gradient
     elif ACTIVATION_SAVES[f.activation] == 1:
         act_grads = 2
+    again = [t((b, q, inner))] if recompute else []   # the activation's output, recomputed
     ffn = StatedBlock(
         "ffn",
         saved=(*_norm(lay, b, q, d, f.norm_trains[lay.ffn_norm]),
@@ -321,14 +327,18 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
         trained_params=f.trained["ffn"], ops=tuple(mm(ffn_in, [inner] * len(ffn_in), d)))
     ffn_out = StatedBlock(
         "ffn-out",
-        saved=(*_inputs([lin[lay.ffn_out]], b, q, inner, "ffn"),
+        # (non-gated: the projection's input is the activation's output, recomputed)
+        saved=(*_inputs([lin[lay.ffn_out]], b, q, inner, "ffn",
+                        input_counted=recompute and not lay.gated),
                *_dropout(f.dropout, (b, q, d))),
-        alive=(g,), phases=((gi, *_weights([lin[lay.ffn_out]], inner, d)),),
+        alive=(g,), phases=((gi, *_weights([lin[lay.ffn_out]], inner, d),
+                             *(again if not lay.gated else [])),),
         trained_params=f.trained["ffn-out"],
         ops=(*mm([lin[lay.ffn_out]], [d], inner), *_draws(f.dropout, (b, q, d))),
         # the activation's output while the projection reads it (unless kept as its
         # input), and the projection's output
-        forward=(*([] if lin[lay.ffn_out].keeps_input else [t((b, q, inner))]),
+        forward=(*([] if lin[lay.ffn_out].keeps_input and not (recompute and not lay.gated)
+                   else [t((b, q, inner))]),
                  t((b, q, d))))
     blocks = (*mem.blocks, attention, attention_out, ffn, ffn_out)
     if mem.state_read:
