@@ -67,12 +67,13 @@ def checkpoint(a, root: str) -> str:
     return path
 
 
-def build(a, path: str, fused: bool, compiled: bool, backend: str):
+def build(a, path: str, fused: bool, compiled: bool, backend: str, recompute: bool = True):
     from model import ModelConfig, build_model
     from model.compiled import compile_core
     cfg = ModelConfig.from_dict({"mechanism": "rmt", "backbone": "hf", "tgt_len": a.seq,
                                  "mem_len": 0, "rmt": {"num_mem_tokens": a.mem},
-                                 "hf": {"path": path, "fused_gelu": fused}})
+                                 "hf": {"path": path, "fused_gelu": fused,
+                                        "recompute_activation": recompute}})
     model = build_model(cfg).to(a.device, common.model_dtype(a)).train()
     if compiled:
         compile_core(model, backend)
@@ -97,7 +98,8 @@ def step_fn(a, model):
 def part_ops(a, path: str) -> dict:
     out = {}
     for fused in (False, True):
-        layer = build(a, path, fused, False, "").base.transformer.h[0]
+        # the activation's own ops (its output kept: no recompute in backward)
+        layer = build(a, path, fused, False, "", recompute=False).base.transformer.h[0]
         x = torch.randn(2, 16, a.d_model, device=a.device, dtype=common.model_dtype(a),
                         requires_grad=True)
         counts = {}
@@ -150,6 +152,11 @@ def part_step(a, path: str) -> dict:
             for _ in range(3):   # warm-up (compiles)
                 fn()
             steps[name] = fn
+    # model.hf.recompute_activation (on in every row above): its cost, the output kept
+    fn = step_fn(a, build(a, path, True, False, a.backend, recompute=False))
+    for _ in range(3):
+        fn()
+    steps["fused, output kept"] = fn
     times = common.interleaved(steps, a.rounds)
     med = {k: statistics.median(v) for k, v in times.items()}
     base = med["gelu_new"]

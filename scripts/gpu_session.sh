@@ -101,7 +101,8 @@ fi
 # FUSED=1: only benchmarks/bench_pretrained_fused.py at GPT-2-small's shape (12 layers, d
 # 768, segments of 1,024 tokens, batch 8, bf16, random weights from a config): the base
 # model's step with model.hf.fused_gelu off/on x model.compile off/on (Inductor), the
-# pointwise ops per layer, and the cold compile time of aot_eager and Inductor at that
+# fused step with the activation's output kept (model.hf.recompute_activation off: what its
+# recompute costs), the pointwise ops per layer, and the cold compile time of aot_eager and Inductor at that
 # shape; BENCHMARKS.md, "Pretrained backbone: fused activation and regional compile".
 # FUSED_ARGS replaces the shape flags ("--device cpu" rehearses it on the CPU, tiny).
 if [ "${FUSED:-0}" = 1 ]; then
