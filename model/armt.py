@@ -44,7 +44,8 @@ def associative_layer(cfg: ModelConfig) -> AssociativeLayer:
     o = cfg.armt
     return AssociativeLayer(cfg.d_model, o.d_key, feature_map=o.feature_map, nu=o.nu,
                             use_gate=o.gate, correction=o.correction,
-                            authors_gamma=o.authors_gamma, read_precision=o.read_precision)
+                            authors_gamma=o.authors_gamma, read_precision=o.read_precision,
+                            denominator_floor=o.denominator_floor)
 
 
 def memory_token_inputs(memory_init: torch.Tensor, state: AssociativeMemory, bsz: int,

@@ -237,7 +237,7 @@ class AssociativeLayer(nn.Module):
     def __init__(self, d_model: int, d_key: int, d_value: int | None = None,
                  feature_map: str = "dpfp", nu: int = 3, use_gate: bool = True,
                  correction: bool = True, eps: float = EPS, authors_gamma: bool = False,
-                 read_precision: str = "fp32"):
+                 read_precision: str = "fp32", denominator_floor: float = 0.0):
         super().__init__()
         if read_precision not in READ_PRECISIONS:
             raise ValueError(f"read precision {read_precision!r}; expected one of "
@@ -261,6 +261,15 @@ class AssociativeLayer(nn.Module):
         # by eps / (|phi(k)|^2 + eps): nothing for large keys, a lot for keys near eps
         # (docs/coming-from-authors.md has the measurement). For imported checkpoints.
         self.authors_gamma = authors_gamma
+        # A floor under every lookup's denominator, phi^T z >= floor * |phi|^2 (0: the
+        # authors' equations as they are). Why (docs/armt.md, "Loss spikes"): gamma keeps a
+        # key whose features z already counts out of z, while the delta rule still writes
+        # it into A; a later query on features only such keys hold meets phi^T z ~ 0 with
+        # phi^T A != 0, and the read (and a write's vbar, which feeds A) returns a vector
+        # thousands of times any stored value. floor = 1 asks z to hold at least one key's
+        # worth of the query's own features: an exact match (phi(q)^T z = |phi(q)|^2 for a
+        # stored, orthogonal key) is unchanged, a query on uncounted features is damped.
+        self.denominator_floor = denominator_floor
 
     def empty_state(self, batch: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(A, z) of one layer for `batch` fresh rows, float32."""
@@ -278,6 +287,13 @@ class AssociativeLayer(nn.Module):
         """phi^T A [B, n, d_v] and phi^T z [B, n] for features f [B, n, d_phi]."""
         return torch.einsum("bnf,bfv->bnv", f, A), torch.einsum("bnf,bf->bn", f, z)
 
+    def _floored(self, den: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        """phi^T z as a divisor: at least `denominator_floor` * |phi|^2 when a floor is set
+        (gamma reads the raw phi^T z)."""
+        if not self.denominator_floor:
+            return den
+        return torch.maximum(den, self.denominator_floor * f.square().sum(-1).to(den.dtype))
+
     def retrieve(self, A: torch.Tensor, z: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """o_t = phi(W_q h_t)^T A / (phi(W_q h_t)^T z + eps): [B, T, d_v], float32 (or
         float64 when A or hidden are)."""
@@ -286,7 +302,7 @@ class AssociativeLayer(nn.Module):
             return self._retrieve_bf16(A, z, hidden)
         f = self.phi(self.q_proj(hidden).to(ct))
         num, den = self._lookup(A.to(ct), z.to(ct), f)
-        return num / (den + self.eps)[..., None]
+        return num / (self._floored(den, f) + self.eps)[..., None]
 
     def _retrieve_bf16(self, A: torch.Tensor, z: torch.Tensor, hidden: torch.Tensor
                        ) -> torch.Tensor:
@@ -300,7 +316,8 @@ class AssociativeLayer(nn.Module):
         f = self.phi(self.q_proj(hidden).to(bf))                        # [B, n, d_phi]
         Az = torch.cat([A.to(bf), z.to(bf)[..., None]], dim=-1)         # [B, d_phi, d_v+1]
         out = torch.bmm(f, Az).float()
-        return out[..., :-1] / (out[..., -1:] + self.eps)
+        den = self._floored(out[..., -1], f.float())
+        return out[..., :-1] / (den + self.eps)[..., None]
 
     def read(self, A: torch.Tensor, z: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """hidden + o (through the output projection if d_value != d_model), in hidden's
@@ -324,7 +341,7 @@ class AssociativeLayer(nn.Module):
         else:
             beta = torch.ones(f.shape[:2], dtype=ct, device=f.device)
         num, den = self._lookup(A, z, f)
-        v_old = num / (den + self.eps)[..., None]                     # vbar_i
+        v_old = num / (self._floored(den, f) + self.eps)[..., None]   # vbar_i
         if self.correction and self.authors_gamma:
             gamma = (1 - (den + self.eps) / (f.square().sum(-1) + self.eps)).clamp(0, 1)
             first = (z == 0).all(-1)[:, None]

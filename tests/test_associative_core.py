@@ -377,3 +377,48 @@ def test_why_z_is_float32():
     assert float(z32) == 1000 and float(z16) == 256
     state = AssociativeMemory.zeros(2, 3, 24, 16).to(dtype=torch.bfloat16)
     assert state.A.dtype == state.z.dtype == torch.float32
+
+
+# -- a query on features gamma kept out of z (docs/armt.md, "Loss spikes") ---------------------
+def _gamma_kept_out(floor: float = 0.0
+                    ) -> tuple:
+    """key 1 = [4, 4, 0...] is stored (z = phi(k1): one DPFP feature, r1 r0 = 16); key 2 =
+    [2, 2, 1, 0...] holds that feature (4) and two more (r2 r1 = 2, r2 r0 = 2), and since
+    phi(k2)^T z = 64 >= |phi(k2)|^2 = 24 its gamma is 0: A takes phi(k2) (v2 - vbar2) on all
+    three features, z on none. The query [0, 1, 1, 0...] has only the feature r2 r1: its
+    phi^T z is 0 while its phi^T A is 2 (v2 - v1)."""
+    layer = probe_layer()
+    layer.denominator_floor = floor
+    v1, v2 = torch.randn(2, D_MODEL - D_KEY, generator=torch.Generator().manual_seed(0))
+    k1, k2 = torch.zeros(2, D_KEY)
+    k1[:2], k2[:3] = torch.tensor([4., 4.]), torch.tensor([2., 2., 1.])
+    A, z = layer.write(*layer.empty_state(1), item(k1, v1)[None, None])
+    A, z = layer.write(A, z, item(k2, v2)[None, None])
+    query = item(torch.tensor([0., 1., 1., 0., 0., 0.]), torch.zeros(D_MODEL - D_KEY))
+    return layer, A, z, query[None, None], item(k1, v1)[None, None]
+
+
+def test_the_authors_read_of_features_gamma_kept_out_of_z_is_unbounded():
+    """What a loss spike of a trained ARMT is made of: a finite state whose read is five
+    orders of magnitude above every value stored (phi^T A / eps)."""
+    layer, A, z, query, stored_item = _gamma_kept_out()
+    stored = stored_item.abs().max()          # the largest entry of a value written: 4
+    assert float(torch.einsum("f,f->", dpfp(torch.tensor([0., 1., 1., 0., 0., 0.]), 3),
+                              z[0])) == 0
+    assert layer.retrieve(A, z, query).abs().max() > 1e4 * stored
+    # the state itself is finite and modest: it is the division that explodes
+    assert A.abs().max() < 100 * stored
+
+
+def test_a_denominator_floor_bounds_that_read_and_leaves_stored_keys_alone():
+    layer, A, z, query, stored_item = _gamma_kept_out()
+    exact = layer.retrieve(A, z, stored_item)
+    layer.denominator_floor = 1.0
+    # phi(q)^T z >= |phi(q)|^2: the read is at most phi(q)^T A / |phi(q)|^2, here 2 (v2 - v1)
+    assert layer.retrieve(A, z, query).abs().max() <= 2 * A.abs().max()
+    # a stored, orthogonal key has phi^T z = |phi|^2 already: read exactly as before
+    torch.testing.assert_close(layer.retrieve(A, z, stored_item), exact)
+    # the write's gamma reads the raw phi^T z: the same normaliser from the same writes
+    # (A differs only where a write's vbar met the floor)
+    _, _, z_floored, _, _ = _gamma_kept_out(floor=1.0)
+    torch.testing.assert_close(z_floored, z)

@@ -13,6 +13,7 @@ and leave.
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 import warnings
@@ -331,18 +332,27 @@ class TrainingLoop:
         self.engine.train()
         last_log, tokens_at_log = time.perf_counter(), st.tokens_seen
         loss_sum = loss_n = 0.0
+        # The largest loss of one optimizer step since the last log line (its tokens over
+        # all ranks): a mean over log_every steps hides a single step gone wrong, which
+        # under bf16/fp16 on a GPU is an overflow (docs/armt.md, "Loss spikes").
+        loss_max = -math.inf
         saved_at = st.step if st.step else -1
         stop = False
         while st.step < cfg.max_steps and not stop:
+            step_nll = step_n = 0.0
             for _ in range(cfg.deepspeed.grad_accum):
                 nll, n, stop_now, new = self._micro_step(batches)
-                loss_sum, loss_n, stop = loss_sum + nll, loss_n + n, stop or stop_now
+                step_nll, step_n, stop = step_nll + nll, step_n + n, stop or stop_now
                 st.tokens_seen += new
+            loss_sum, loss_n = loss_sum + step_nll, loss_n + step_n
+            if step_n:
+                loss_max = max(loss_max, step_nll / step_n)
             st.step += 1
             if st.step % cfg.log_every == 0 or st.step == cfg.max_steps:
                 now = time.perf_counter()
                 loss = loss_sum / max(loss_n, 1)
-                metrics = {"loss": loss, "bpc": bits_per_token(loss),
+                metrics = {"loss": loss, "loss_max": loss_max if loss_n else loss,
+                           "bpc": bits_per_token(loss),
                            "lr": self.schedule.get_last_lr()[0],
                            "tokens_per_s": (st.tokens_seen - tokens_at_log) / (now - last_log),
                            "peak_mem_mb": peak_memory_mb(self.device),
@@ -357,6 +367,7 @@ class TrainingLoop:
                 self.tracker.log_metrics(metrics, st.step)
                 progress.update(st.step, metrics)
                 last_log, tokens_at_log, loss_sum, loss_n = now, st.tokens_seen, 0.0, 0.0
+                loss_max = -math.inf
             else:
                 progress.update(st.step, None)
             if cfg.eval.every and st.step % cfg.eval.every == 0 and st.step < cfg.max_steps:

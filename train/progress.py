@@ -44,7 +44,11 @@ class Progress:
         elif metrics:
             # MFU only where the device's peak is known (train/throughput.py): never a guess.
             mfu = f"MFU {metrics['mfu']:.1%} | " if "mfu" in metrics else ""
-            print(f"step {step}/{self.total} | loss {metrics['loss']:.4f} | lr "
+            # The largest single step's loss beside the mean, where it differs: a spike
+            # shows in the line that holds it.
+            top = metrics.get("loss_max", metrics["loss"])
+            worst = f" (max step {top:.4f})" if top > metrics["loss"] * 1.5 else ""
+            print(f"step {step}/{self.total} | loss {metrics['loss']:.4f}{worst} | lr "
                   f"{metrics['lr']:.3e} | {metrics['tokens_per_s']:.0f} tok/s | {mfu}"
                   f"grad norm {metrics.get('grad_norm', float('nan')):.3f} | peak "
                   f"{metrics['peak_mem_mb']:.0f} MB | eta {self._eta(step)}", flush=True)

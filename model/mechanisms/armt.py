@@ -23,6 +23,7 @@ that field). A config that sets both to different counts is refused.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +90,10 @@ class ARMTOptions:
     # `AssociativeMemory.offload`): the device then holds O(1) states instead of one per
     # segment of the window, at the price of two copies of |A| per segment. Exact.
     offload_state: bool = False
+    # A floor under the read's and the write's denominator, phi^T z >= floor * |phi|^2
+    # (model/associative.py; docs/armt.md, "Loss spikes"): 0, the default, is the authors'
+    # read exactly; 1 bounds the read of a query on features that gamma kept out of z.
+    denominator_floor: float = 0.0
 
 
 def token_field(cfg) -> str:
@@ -142,6 +147,9 @@ class ARMT(Mechanism):
         if cfg.rmt.mem_loss_weight:
             raise ConfigError("model.rmt.mem_loss_weight", "the auxiliary memory loss is "
                               "RMT's (§3.4); ARMT has none")
+        if not (o.denominator_floor >= 0 and math.isfinite(o.denominator_floor)):
+            raise ConfigError("model.armt.denominator_floor", f"must be a finite number >= 0, "
+                              f"got {o.denominator_floor}")
         if o.read_precision not in READ_PRECISIONS:
             raise ConfigError("model.armt.read_precision", f"unknown {o.read_precision!r}; "
                               f"choose one of {', '.join(READ_PRECISIONS)}")
