@@ -1,7 +1,8 @@
 """Writing shards: splits as webdataset tar files in corpus order (format and manifest in
 data_pipeline/shards.py), each shard committed whole under its name (AtomicFile), the
 manifest last. Token shards record each chunk's byte offset (`chunk_offsets`) so that a
-reader can seek to the chunk it needs.
+reader can seek to the chunk it needs. Episode shards are written the same way, their tar
+members laid out by data_pipeline/episode_writer.py.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import webdataset as wds
 from webdataset.tariterators import base_plus_ext
 
 from .atomic import AtomicFile, atomic_write_text
+from .episode_writer import write_episodes
 from .shards import (
     MANIFEST,
     Manifest,
@@ -134,16 +136,11 @@ def write_token_split(out_dir: Path, split: str, pieces: Iterable[np.ndarray], d
 
 def write_episode_split(out_dir: Path, split: str, tokens: np.ndarray, loss_mask: np.ndarray,
                         answer_mask: np.ndarray, samples_per_shard: int) -> SplitInfo:
-    writer = _AtomicShardWriter(out_dir, split, samples_per_shard)
-    for i in range(tokens.shape[0]):
-        row, loss, answer = (np.ascontiguousarray(a[i]) for a in (tokens, loss_mask,
-                                                                   answer_mask))
-        meta = {"split": split, "index": i, "sha256": content_sha256(row, loss, answer)}
-        writer.write(i, {"__key__": f"{split}-{i:09d}", "tokens.npy": row,
-                         "loss_mask.npy": loss, "answer_mask.npy": answer,
-                         "meta.json": meta}, 1)
-    writer.close_shard()
-    return SplitInfo(n_tokens=int(tokens.shape[0]), shards=writer.shards)
+    """One episode per member group (tokens.npy, loss_mask.npy, answer_mask.npy, meta.json),
+    `samples_per_shard` to a shard. The tar members are laid out by data_pipeline/
+    episode_writer.py, the same bytes TarWriter wrote through _AtomicShardWriter, without
+    its per-member cost (the record formats' prepare time, BENCHMARKS.md)."""
+    return write_episodes(out_dir, split, tokens, loss_mask, answer_mask, samples_per_shard)
 
 
 def write_manifest(out_dir: Path, manifest: Manifest) -> Path:
