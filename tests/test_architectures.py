@@ -67,7 +67,8 @@ ARCHS = {
     "seed_oss": ("SeedOssConfig", dict(head_dim=8)),
     "ernie4_5": ("Ernie4_5Config", dict(head_dim=8)),
     # logits post-processed after the head; Gemma's scaled embeddings
-    "granite": ("GraniteConfig", dict(logits_scaling=4.0)),
+    "granite": ("GraniteConfig", dict(logits_scaling=4.0)),               # divides
+    "hyperclovax": ("HyperCLOVAXConfig", dict(logits_scaling=4.0)),       # multiplies
     "cohere": ("CohereConfig", dict(logit_scale=0.25)),
     "gemma": ("GemmaConfig", dict(head_dim=8)),
     "gemma2": ("Gemma2Config", dict(head_dim=8, final_logit_softcapping=0.5, **_WINDOW)),
@@ -80,6 +81,13 @@ ARCHS = {
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, moe_intermediate_size=D, head_dim=8,
                                          **_MOE)),
     "olmoe": ("OlmoeConfig", dict(num_experts=4, **_MOE)),
+    # routed experts whose forward adds no load-balancing loss; multi-head latent attention
+    "deepseek_v3": ("DeepseekV3Config", dict(n_routed_experts=4, num_experts_per_tok=2,
+                                             moe_intermediate_size=D, n_group=1, topk_group=1,
+                                             first_k_dense_replace=1, kv_lora_rank=8,
+                                             q_lora_rank=8, qk_rope_head_dim=4,
+                                             num_key_value_heads=4, output_router_logits=True,
+                                             qk_nope_head_dim=4, v_head_dim=8)),
 }
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # model_type -> (config class, fields, the ConfigError field and message): refused.
@@ -94,6 +102,13 @@ REFUSED = {
                       "model.tgt_len", "beyond the 8-row sliding window of 'gemma2'"),
     "mamba": ("MambaConfig", dict(state_size=4, expand=2), "model.hf.path",
               "'mamba': MambaModel.forward takes no position_ids"),
+    "xglm": ("XGLMConfig", dict(d_model=D, num_layers=2, ffn_dim=2 * D), "model.hf.path",
+             "'xglm': its decoder under memtrain's causal attention .* does not reproduce"),
+    "llama4_text": ("Llama4TextConfig", dict(head_dim=8, intermediate_size_mlp=2 * D,
+                                             num_local_experts=2, num_experts_per_tok=1),
+                    "model.hf.path", "'llama4_text': Llama4ForCausalLM names no decoder"),
+    "gemma4_text": ("Gemma4TextConfig", dict(vocab_size_per_layer_input=V), "model.hf.path",
+                    "'gemma4_text': its decoder does not run on input embeddings alone"),
 }
 
 
@@ -205,17 +220,47 @@ def test_what_cannot_hold_memory_tokens_is_refused_naming_the_property(ckpt, nam
     assert err.value.field == field
 
 
+def test_a_segment_wider_than_a_sliding_window_is_refused_when_it_runs(ckpt):
+    # Titans' 2L + P rows pass the config's count of positions (P + L = 8) but not the
+    # window of 8 the decoder's rows are checked against as they run.
+    torch.manual_seed(0)
+    model = build_model(ModelConfig.from_dict(_section(ckpt("gemma2-window"), "titans")))
+    with pytest.raises(ConfigError, match="14 rows through the decoder, beyond the 8-row "
+                                          "sliding window") as err:
+        model(_tokens(n_seg=1))
+    assert err.value.field == "model.tgt_len"
+
+
+def test_the_planner_refuses_a_mixture_of_experts_by_name(ckpt):
+    from model.pretrained.checkpoint_config import hf_config
+    from model.pretrained.shapes import layout
+    cfg = resolve_shape(ModelConfig.from_dict(_section(ckpt("mixtral"), "rmt")))
+    with pytest.raises(ConfigError, match="mixture-of-experts model \\('mixtral': 4 experts, "
+                                          "top 2 per token\\)"):
+        layout(hf_config(cfg.hf))
+
+
 def test_the_probe_reads_positions_logits_attention_and_router(models):
     facts = {arch: models(arch, "rmt", "causal").base.memtrain_traits
-             for arch in ("gpt2", "opt", "falcon", "granite", "gemma2", "mixtral")}
+             for arch in ("gpt2", "opt", "falcon", "granite", "hyperclovax", "gemma2",
+                          "mixtral", "deepseek_v3")}
     assert facts["gpt2"].positions == facts["opt"].positions == "absolute"
     assert facts["gpt2"].table == 64
     assert facts["falcon"].attention == "mask" and facts["gpt2"].attention == "interface"
+    # The same config field, two operations: the forward's logits decide.
     assert facts["granite"].logits == (("divide", 4.0),)
+    assert facts["hyperclovax"].logits == (("multiply", 4.0),)
     assert facts["gemma2"].logits == (("softcap", 0.5),)
     assert facts["gemma2"].sliding_window == 16
     assert facts["mixtral"].moe.experts == 4 and facts["mixtral"].positions == "rotary"
+    # Experts whose forward adds no load-balancing loss get none.
+    assert facts["deepseek_v3"].moe is not None
+    assert models("deepseek_v3", "rmt", "causal")._router is None
     assert all(t.checked for t in facts.values())
+    # No SDPA path in transformers: the eager attention, said once in the log.
+    from model.pretrained import loading
+    assert models("gpt_neo", "rmt", "causal").base.config._attn_implementation == "eager"
+    assert "gpt_neo" in loading._said_eager
 
 
 def test_lora_on_fused_experts_adapts_the_expert_tensors(ckpt):

@@ -27,6 +27,13 @@ def position_kind(hf_config) -> str:
     return config_traits(hf_config).positions
 
 
+def _head_dim(c) -> int | None:
+    try:
+        return getattr(c, "head_dim", None)
+    except Exception:    # noqa: BLE001 (Gemma 4: a per-layer field, refused as a global one)
+        return None
+
+
 # ModelConfig field -> how it is read from a transformers config (its attribute_map gives
 # every supported family the Llama names: hidden_size, num_hidden_layers, ...).
 _SHAPE = {
@@ -34,7 +41,7 @@ _SHAPE = {
     "d_model": lambda c: c.hidden_size,
     "n_layer": lambda c: c.num_hidden_layers,
     "n_head": lambda c: c.num_attention_heads,
-    "d_head": lambda c: getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+    "d_head": lambda c: _head_dim(c) or c.hidden_size // c.num_attention_heads,
     "d_inner": d_inner,
 }
 SHAPE_FIELDS = tuple(_SHAPE)

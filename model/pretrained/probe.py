@@ -2,7 +2,9 @@
 its own forward, so that an architecture is taken by what it is, not by name (traits.py
 says what its config tells).
 
-On PROBE_TOKENS token ids, in eval mode and without gradients:
+On two rows of PROBE_TOKENS token ids, in eval mode and without gradients (first the
+decoder must run on embeddings that are not a token's, as memory rows are: Gemma 4 looks
+its per-layer embeddings up from token ids and refuses other rows):
 
 1. attention: the decoder stack on the token embeddings under memtrain's causal attention
    with explicit default position ids (positions.py `causal_attention`: what ARMT, Titans
@@ -87,21 +89,24 @@ def probe(base) -> Traits:
     model.hf.path naming the property where memory tokens cannot be placed in it."""
     traits = _static(base)
     setattr(base, ATTR, traits)
+    if base.base_model is base:
+        # The mechanisms run `base.base_model` as the decoder stack, the head apart.
+        raise ConfigError("model.hf.path", f"{traits.model_type!r}: {type(base).__name__} "
+                          f"names no decoder module apart from its head (its base_model is "
+                          f"the causal LM itself), which the memory runs on its own")
     weight = base.get_input_embeddings().weight
     if weight.numel() == 0 or weight.is_meta:
         return traits
     n = PROBE_TOKENS
-    ids = (torch.arange(n, device=weight.device) % base.config.vocab_size)[None]
+    # Two rows (a mask the model checks against the batch shows), different tokens.
+    ids = torch.stack([torch.arange(n, device=weight.device),
+                       torch.arange(n, 0, -1, device=weight.device)]) % base.config.vocab_size
     was_training = base.training
     base.eval()
     try:
         emb = base.get_input_embeddings()(ids)
         router = find_router(base, traits.moe)
-        if router is not None:
-            with router.routed() as routed:
-                own = base.base_model(inputs_embeds=emb, use_cache=False)[0]
-        else:
-            routed, own = [], base.base_model(inputs_embeds=emb, use_cache=False)[0]
+        routed, own = _own(base, traits, emb, router)
         traits = _check_attention(base, traits, emb, own)
         traits = _check_positions(base, traits, emb, own)
         traits = _check_logits(base, traits, ids, own)
@@ -114,11 +119,29 @@ def probe(base) -> Traits:
     return traits
 
 
+def _own(base, traits: Traits, emb, router) -> tuple[list, torch.Tensor]:
+    """The decoder's own forward on the token embeddings (and its routers' logits), after
+    a run with one row that is no token's embedding, as a memory row is."""
+    try:
+        base.base_model(inputs_embeds=torch.cat([emb[:, :1] * 0.5, emb[:, 1:]], 1),
+                        use_cache=False)
+        if router is None:
+            return [], base.base_model(inputs_embeds=emb, use_cache=False)[0]
+        with router.routed() as routed:
+            return routed, base.base_model(inputs_embeds=emb, use_cache=False)[0]
+    except (TypeError, ValueError, RuntimeError) as err:
+        # e.g. Gemma 4's per-layer embeddings, looked up from token ids beside them
+        raise ConfigError("model.hf.path", f"{traits.model_type!r}: its decoder does not run "
+                          f"on input embeddings alone, as memory rows (which have no token "
+                          f"ids) need: {str(err).splitlines()[0][:200]}") from None
+
+
 def _run(base, emb: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     from .positions import causal_attention
     with causal_attention(base, emb.shape[1], emb.dtype, emb.device) as mask:
         return base.base_model(inputs_embeds=emb, attention_mask=mask,
-                               position_ids=positions[None], use_cache=False)[0]
+                               position_ids=positions.expand(emb.shape[0], -1),
+                               use_cache=False)[0]
 
 
 def _check_attention(base, traits: Traits, emb, own) -> Traits:
@@ -182,7 +205,7 @@ def _check_loss(base, traits: Traits, ids, own, router, routed) -> None:
     if theirs is None:
         return
     logits = post_process(base.get_output_embeddings()(own), traits.logits).float()
-    ours = F.cross_entropy(logits[0, :-1], ids[0, 1:])
+    ours = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     aux = router.coef * router.balance_loss(routed) if router is not None else 0.0
     gap = abs(float(ours + aux) - float(theirs))
     if gap > _RTOL * max(1.0, abs(float(theirs))):
