@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from memtrain.extras import missing_extra
+
 from .find_files import check_file
 
 FORMATS = ("jsonl", "parquet", "datasets")
@@ -79,13 +81,12 @@ class Input:
 
 
 def _datasets():
-    try:
-        # Imported here, not at the top: `datasets` is a heavy optional dependency (it pulls
-        # in pyarrow, fsspec and pandas), needed only for --corpus datasets.
-        import datasets
-    except ImportError:
-        raise ValueError("--corpus datasets needs the package 'datasets': pip install "
-                         "datasets") from None
+    problem = missing_extra("datasets")
+    if problem:
+        raise ValueError(problem)
+    # Imported here, not at the top: `datasets` is a heavy optional dependency (it pulls in
+    # pyarrow, fsspec and pandas), needed only for --corpus datasets.
+    import datasets
     return datasets
 
 

@@ -4,6 +4,7 @@
     pip install 'memtrain[lm-eval]'     evaluation/lm_eval_model.py (lm-evaluation-harness)
     pip install 'memtrain[gguf]'        `model.hf.gguf_file`, `--tokenizer-gguf-file`
     pip install 'memtrain[lora]'        `model.hf.finetune: lora` (peft's adapters)
+    pip install 'memtrain[datasets]'    `memtrain prepare --corpus datasets`
 
 A leaf like memtrain/command_line.py (standard library only), so that model/ and
 data_pipeline/ can ask it without depending on anything above them. Callers raise their own
@@ -21,6 +22,7 @@ EXTRAS: dict[str, tuple[str, str]] = {
     "lm-eval": ("lm_eval", "an lm-evaluation-harness model (evaluation/lm_eval_model.py)"),
     "gguf": ("gguf", "reading a GGUF file"),
     "lora": ("peft", "LoRA fine-tuning (model.hf.finetune: lora)"),
+    "datasets": ("datasets", "--corpus datasets (a folder datasets.save_to_disk wrote)"),
 }
 
 
