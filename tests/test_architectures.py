@@ -151,9 +151,9 @@ def models(ckpt):
     def get(arch, mechanism, pattern="paper"):
         key = (arch, mechanism, pattern)
         if key not in made:
+            section = _section(ckpt(arch), mechanism, pattern)
             torch.manual_seed(0)
-            made[key] = build_model(ModelConfig.from_dict(
-                _section(ckpt(arch), mechanism, pattern)))
+            made[key] = build_model(ModelConfig.from_dict(section))
         return made[key]
     return get
 
@@ -209,6 +209,31 @@ def test_rmt_armt_and_titans_train_with_finite_gradients(models, arch):
         assert any(n.startswith(name) and g.abs().sum() > 0 for n, g in grads), mechanism
         # A mixture of experts adds its weighted load-balancing loss, as its forward does.
         assert (res.aux is not None) == (arch in MOE)
+
+
+def test_the_balancing_loss_is_the_same_through_checkpointed_layers_and_segments(ckpt):
+    """The router loss is made inside `decode`, which segment checkpointing recomputes, from
+    router outputs inside layers that HF gradient checkpointing recomputes: loss, logged term
+    and gradients as without either."""
+    tokens = _tokens(seed=2)
+    segments = [SegmentBatch(torch.cat([s, s[:, :1]], dim=1), torch.zeros(2, dtype=torch.bool),
+                             None, 0, j) for j, s in enumerate(tokens.split(L, dim=1))]
+    runs = []
+    path = ckpt("mixtral")     # written before the seed: the memory's draws follow it
+    for layers, whole in ((False, False), (True, True)):
+        torch.manual_seed(0)
+        model = build_model(ModelConfig.from_dict(
+            _section(path, "armt", checkpoint_layers=layers))).train()
+        res = run_window(model, None, segments, torch.device("cpu"),
+                         checkpoint_segments=whole)
+        res.loss.backward()
+        runs.append((res.loss.detach(), res.aux, {n: p.grad for n, p in
+                                                  model.named_parameters()}))
+    (loss, aux, grads), (loss2, aux2, grads2) = runs
+    assert torch.equal(loss, loss2) and torch.equal(aux, aux2) and float(aux) > 0
+    assert grads["base.model.layers.0.mlp.gate.weight"].abs().sum() > 0
+    for name, g in grads.items():
+        assert torch.equal(g, grads2[name]), name
 
 
 @pytest.mark.parametrize("name", REFUSED)
