@@ -120,20 +120,23 @@ def probe(base) -> Traits:
 
 
 def _own(base, traits: Traits, emb, router) -> tuple[list, torch.Tensor]:
-    """The decoder's own forward on the token embeddings (and its routers' logits), after
-    a run with one row that is no token's embedding, as a memory row is."""
+    """The decoder's own forward on the token embeddings (and its routers' logits); then a
+    run with one row that is no token's embedding, as a memory row is."""
+    routed: list = []
+    if router is None:
+        own = base.base_model(inputs_embeds=emb, use_cache=False)[0]
+    else:
+        with router.routed() as routed:
+            own = base.base_model(inputs_embeds=emb, use_cache=False)[0]
     try:
         base.base_model(inputs_embeds=torch.cat([emb[:, :1] * 0.5, emb[:, 1:]], 1),
                         use_cache=False)
-        if router is None:
-            return [], base.base_model(inputs_embeds=emb, use_cache=False)[0]
-        with router.routed() as routed:
-            return routed, base.base_model(inputs_embeds=emb, use_cache=False)[0]
     except (TypeError, ValueError, RuntimeError) as err:
         # e.g. Gemma 4's per-layer embeddings, looked up from token ids beside them
         raise ConfigError("model.hf.path", f"{traits.model_type!r}: its decoder does not run "
                           f"on input embeddings alone, as memory rows (which have no token "
                           f"ids) need: {str(err).splitlines()[0][:200]}") from None
+    return routed, own
 
 
 def _run(base, emb: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
