@@ -162,3 +162,13 @@ def test_the_memory_probe_runs_the_activations_training_runs(ckpts):
     base = AutoModelForCausalLM.from_pretrained(ckpts["gpt2"])
     training_activations(base, _model(ckpts, "gpt2", True).cfg.hf)
     assert sum("forward" in m.__dict__ for m in base.modules()) == 4
+
+
+def test_a_model_without_one_list_of_decoder_layers_runs_as_loaded(ckpts):
+    """Finding the MLPs needs the decoder's one list of layers; without it the recompute
+    steps aside (whether memory can be placed is the mechanism's question, not this one's)."""
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(ckpts["gpt2"])
+    base.config.num_hidden_layers = 99          # no ModuleList of 99 layers anywhere
+    assert recompute_activations(base, _model(ckpts, "gpt2", True).cfg.hf) == 0
+    assert not any("forward" in m.__dict__ for m in base.modules())

@@ -69,3 +69,13 @@ def test_a_quiet_interval_logs_its_largest_step_too():
     loop.run()
     (step, metrics), = loop.tracker.rows
     assert step == 3 and metrics["loss_max"] == pytest.approx(2.2)
+
+
+def test_an_auxiliary_loss_term_shows_in_the_progress_line(capsys):
+    from train.progress import Progress
+    base = {"loss": 2.5, "lr": 1e-3, "tokens_per_s": 100.0, "peak_mem_mb": 10.0}
+    progress = Progress(10, 0, enabled=True)
+    progress.update(1, {**base, "aux_loss": 0.0123})
+    progress.update(2, base)
+    first, second = capsys.readouterr().out.splitlines()
+    assert "| aux 0.0123 | peak" in first and "aux" not in second

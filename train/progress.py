@@ -48,9 +48,11 @@ class Progress:
             # shows in the line that holds it.
             top = metrics.get("loss_max", metrics["loss"])
             worst = f" (max step {top:.4f})" if top > metrics["loss"] * 1.5 else ""
+            # A model's auxiliary loss term (a mixture of experts' balancing loss), apart.
+            aux = f"aux {metrics['aux_loss']:.4f} | " if "aux_loss" in metrics else ""
             print(f"step {step}/{self.total} | loss {metrics['loss']:.4f}{worst} | lr "
                   f"{metrics['lr']:.3e} | {metrics['tokens_per_s']:.0f} tok/s | {mfu}"
-                  f"grad norm {metrics.get('grad_norm', float('nan')):.3f} | peak "
+                  f"grad norm {metrics.get('grad_norm', float('nan')):.3f} | {aux}peak "
                   f"{metrics['peak_mem_mb']:.0f} MB | eta {self._eta(step)}", flush=True)
 
     def close(self) -> None:

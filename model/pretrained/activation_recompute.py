@@ -32,6 +32,7 @@ import inspect
 import torch
 from torch import nn
 
+from ..typed import ConfigError
 from .associative import decoder_layers_name
 
 # Activations that run as one kernel: recomputing them costs one read of the input. (The
@@ -133,7 +134,12 @@ def recompute_activations(base: nn.Module, opts) -> int:
     `base` if `opts.recompute_activation`; returns the number of activation modules."""
     if not opts.recompute_activation:
         return 0
-    layers = base.base_model.get_submodule(decoder_layers_name(base))
+    try:
+        layers = base.base_model.get_submodule(decoder_layers_name(base))
+    except ConfigError:
+        # No single list of decoder layers to find the MLPs in: that is the memory
+        # mechanism's business to refuse (or not), not this optimisation's; run as loaded.
+        return 0
     count = 0
     for layer in layers:
         parents: dict[nn.Module, list[nn.Module]] = {}
