@@ -323,3 +323,20 @@ def test_lora_training_resumes_exactly(tmp_path, copy_task, monkeypatch, arch):
     assert bool(aux) == (arch == "mixtral")
     assert all(0 < v < 1 for v in aux.values())
     assert step_losses(stopped, key="aux_loss") == aux
+
+
+def test_the_initial_memory_is_drawn_at_the_scale_of_the_token_rows_the_decoder_sees(
+        tmp_path):
+    """Gemma multiplies its token embeddings by sqrt(d_model) inside the embedding module, so
+    the rows among which the memory sits are that much larger than the weight's std: the
+    memory is drawn at the rows' scale (with no such factor, at the weight's std)."""
+    from pretrained_helpers import hf_model_section
+
+    from model.pretrained.tiny import tiny_gemma, tiny_llama
+    for make, factor in ((tiny_gemma, 64 ** 0.5), (tiny_llama, 1.0)):
+        section = hf_model_section(make(tmp_path / make.__name__), 48, 8)
+        torch.manual_seed(0)
+        model = build_model(ModelConfig.from_dict(section))
+        weight_std = float(model.base.get_input_embeddings().weight.float().std())
+        drawn = float(model.memory_init().detach().float().std())   # 48 x 64 draws: ~2%
+        assert drawn == pytest.approx(weight_std * factor, rel=0.1), make.__name__

@@ -72,18 +72,23 @@ def check_memory_norm(cfg) -> None:
 
 def pretrained_memory_init(cfg, base, m: int, memory_scale: float | None):
     """The learned initial memory [m, d] around a pretrained model, drawn at the scale of the
-    pretrained token embeddings the memory sits among (their std unless `memory_scale` is
-    given: a sharded base has no materialised embeddings to measure); None for m = 0."""
+    pretrained token rows the memory sits among: the embedding weight's std (unless
+    `memory_scale` gives it: a sharded base has no materialised embeddings to measure) times
+    the factor the embedding module itself multiplies its output by (Gemma's sqrt(d_model),
+    transformers' `*ScaledWordEmbedding.scalar_embed_scale`; 1 for the others); None for
+    m = 0."""
     from ..backbone import Learned
     if not m:
         return None
+    embedding = base.get_input_embeddings()
     if memory_scale is None:
-        weight = base.get_input_embeddings().weight
+        weight = embedding.weight
         if weight.numel() == 0:
             raise ValueError("the input embeddings are not materialised (a sharded "
                              "load): pass memory_scale")
         memory_scale = float(weight.detach().float().std())
-    return Learned(torch.randn(m, cfg.d_model) * memory_scale)
+    rows = float(getattr(embedding, "scalar_embed_scale", 1.0))
+    return Learned(torch.randn(m, cfg.d_model) * (memory_scale * rows))
 
 
 @register
