@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from .traits import traits_of
+
 OPERATIONS = {
     "divide": lambda logits, v: logits / v,
     "multiply": lambda logits, v: logits * v,
@@ -34,6 +36,5 @@ def lm_logits(base, hidden: torch.Tensor, head_out: torch.Tensor | None = None
     states after the final norm): the output head, then the architecture's post-processing.
     `head_out`: the head's output already computed (by the loss's padded GEMM,
     model/loss.py), to which only the post-processing is applied."""
-    from .probe import traits_of
     logits = base.get_output_embeddings()(hidden) if head_out is None else head_out
     return post_process(logits, traits_of(base).logits)

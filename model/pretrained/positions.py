@@ -57,13 +57,13 @@ from contextlib import contextmanager
 import torch
 
 from ..rmt import rmt_allowed
+from .traits import refuse_sequence_positions, traits_of
 
 
 def check_accepts_positions(decoder) -> None:
     """Refuse a decoder whose forward takes no position ids (Bloom: ALiBi biases built from
     the padding mask; recurrent models: the row order itself), naming the property."""
     if "position_ids" not in inspect.signature(decoder.forward).parameters:
-        from .traits import refuse_sequence_positions
         raise refuse_sequence_positions(
             decoder.config.model_type,
             f"{type(decoder).__name__}.forward takes no position_ids")
@@ -127,7 +127,6 @@ def causal_attention(base, n_rows: int, dtype: torch.dtype, device=None
     whose attention does not go through transformers' attention functions (Falcon and
     StableLM compare the implementation's name themselves; traits.py `attention`, checked
     at load by probe.py): the boolean 4-D causal mask under its own "sdpa"."""
-    from .probe import traits_of
     config = base.config
     impl = config._attn_implementation
     if impl == "eager":

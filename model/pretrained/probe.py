@@ -42,41 +42,25 @@ import torch.nn.functional as F
 
 from ..typed import ConfigError
 from .logits import post_process
+from .positions import causal_attention
 from .router import find_router
 from .traits import (
+    ATTR,
     LOGITS_FIELDS,
     Traits,
-    config_traits,
     logits_fields,
     logits_steps,
     refuse_sequence_positions,
+    static_traits,
 )
 
 PROBE_TOKENS = 6
-ATTR = "memtrain_traits"
 # The compared paths run the same modules on the same input, so they agree to the last bit
 # in practice; the tolerance only absorbs kernel choices (a different fused path for one of
 # them), far below any rescaling of the logits or any move of a learned position table.
 _RTOL = 1e-3
 # Relative positions are shift-invariant up to the rounding of cos and sin.
 _SHIFT_RTOL = 1e-4
-
-
-def traits_of(base) -> Traits:
-    """The probed traits of `base`, or what its config and class say (module docstring)."""
-    traits = getattr(base, ATTR, None)
-    if traits is None:
-        traits = _static(base)
-        setattr(base, ATTR, traits)
-    return traits
-
-
-def _static(base) -> Traits:
-    # transformers' flag for a model whose attention goes through its attention functions
-    # (which SDPA_CAUSAL relies on); others get a mask they read themselves.
-    through = getattr(type(base), "_supports_attention_backend", False)
-    return dataclasses.replace(config_traits(base.config),
-                               attention="interface" if through else "mask")
 
 
 def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -87,7 +71,7 @@ def _gap(a: torch.Tensor, b: torch.Tensor) -> float:
 def probe(base) -> Traits:
     """Check `base` (module docstring) and keep its traits on it; a ConfigError on
     model.hf.path naming the property where memory tokens cannot be placed in it."""
-    traits = _static(base)
+    traits = static_traits(base)
     setattr(base, ATTR, traits)
     if base.base_model is base:
         # The mechanisms run `base.base_model` as the decoder stack, the head apart.
@@ -140,7 +124,6 @@ def _own(base, traits: Traits, emb, router) -> tuple[list, torch.Tensor]:
 
 
 def _run(base, emb: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    from .positions import causal_attention
     with causal_attention(base, emb.shape[1], emb.dtype, emb.device) as mask:
         return base.base_model(inputs_embeds=emb, attention_mask=mask,
                                position_ids=positions.expand(emb.shape[0], -1),

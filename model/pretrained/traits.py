@@ -34,6 +34,7 @@ import: ModelConfig's shape step reads it), then checked on the loaded model's o
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..typed import ConfigError
@@ -166,3 +167,26 @@ def check_rows(traits: Traits, rows: int, option: str, what: str) -> None:
                           f"{traits.model_type!r}'s sliding-window layers: memtrain gives "
                           "the decoder its own masks, which do not slide, so the result "
                           "would differ from the model's; use shorter segments")
+
+
+# The attribute of the base module the traits are kept in (probe.py sets it after checking
+# them; copies of the module keep it).
+ATTR = "memtrain_traits"
+
+
+def traits_of(base) -> Traits:
+    """The probed traits of `base` (probe.py), or what its config and class say."""
+    traits = getattr(base, ATTR, None)
+    if traits is None:
+        traits = static_traits(base)
+        setattr(base, ATTR, traits)
+    return traits
+
+
+def static_traits(base) -> Traits:
+    """What `base`'s config and class say, before (or without) the probe."""
+    # transformers' flag for a model whose attention goes through its attention functions
+    # (which positions.py's SDPA_CAUSAL relies on); others get a mask they read themselves.
+    through = getattr(type(base), "_supports_attention_backend", False)
+    return dataclasses.replace(config_traits(base.config),
+                               attention="interface" if through else "mask")
