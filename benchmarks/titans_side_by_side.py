@@ -113,14 +113,19 @@ def run_memtrain(tokens, repeats, args, reset: bool) -> dict:
             nll.append(out.nll)
             state = out.state
         nll = torch.cat(nll, dim=1)
-        opt.zero_grad(set_to_none=True)
-        nll.mean().backward()
-        if args.clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
+        _update(model, opt, nll, args)
         curve.add(step, nll.detach(), repeats[step])
     return {"name": name, "params": sum(p.numel() for p in model.parameters()),
             "curve": curve.points}
+
+
+def _update(model, opt, nll: torch.Tensor, args) -> None:
+    """One optimizer step on the mean NLL, the same for every run (clipped if asked)."""
+    opt.zero_grad(set_to_none=True)
+    nll.mean().backward()
+    if args.clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+    opt.step()
 
 
 def run_titans_pytorch(tokens, repeats, args, memory: bool) -> dict:
@@ -139,11 +144,7 @@ def run_titans_pytorch(tokens, repeats, args, memory: bool) -> dict:
         x, y = tokens[step, :, :-1], tokens[step, :, 1:]
         logits = model(x)
         nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), y, reduction="none")
-        opt.zero_grad(set_to_none=True)
-        nll.mean().backward()
-        if args.clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
+        _update(model, opt, nll, args)
         curve.add(step, nll.detach(), repeats[step])
     return {"name": name, "params": sum(p.numel() for p in model.parameters()),
             "curve": curve.points}

@@ -3,13 +3,12 @@
 gradients bit for bit, one [B, Q, I] tensor fewer saved per layer, one more activation
 kernel in backward, composed with every checkpointing that sits below it."""
 
-from collections import Counter
-
 import pytest
 import torch
 from pretrained_helpers import TINY, V, hf_model_section
 from torch.utils.checkpoint import checkpoint
 
+from benchmarks.bench_pretrained_fused import PointwiseOps
 from model import ModelConfig, build_model
 from model.pretrained.activation_recompute import (
     is_activation,
@@ -112,22 +111,11 @@ def test_nothing_outlives_the_forward_under_a_checkpoint(ckpts):
     assert h.grad is not None and torch.isfinite(h.grad).all()
 
 
-class _PointwiseOps(torch.utils._python_dispatch.TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if torch.Tag.pointwise in func.tags:
-            self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_cost_is_one_activation_kernel_in_backward(ckpts):
     model = _model(ckpts, "gpt2", True)
     mlp = model.base.transformer.h[0].mlp
     x = torch.randn(2, 5, 64, requires_grad=True)
-    with _PointwiseOps() as count:
+    with PointwiseOps() as count:
         mlp(x).sum().backward()
     assert count.ops["gelu"] == 2 and count.ops["gelu_backward"] == 1
 
