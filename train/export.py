@@ -102,7 +102,10 @@ def check_model_config(info: CheckpointInfo, model_cfg: ModelConfig) -> None:
     if saved is None:  # checkpoints written before the config was recorded
         return
     try:
-        ModelConfig.from_dict(saved)
+        # Read back through the config class, so a field this code added since the
+        # checkpoint was written takes its default (the value the checkpoint's model ran
+        # with) instead of being reported as changed.
+        saved = ModelConfig.from_dict(saved).to_dict()
     except ConfigError as err:
         raise ConfigError(err.field, f"the checkpoint {info.path} was written with a model "
                           f"config this code does not accept: {err}") from None
