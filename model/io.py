@@ -13,14 +13,14 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file as _read_tensors
 
 from data_pipeline.atomic import AtomicFile
 
 from .backbones import backbone_of, build_model
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 from .segment_lm import SegmentLM
+from .weights_file import (WeightsError, is_torch_file, read_safetensors,  # noqa: F401
+                           read_weights, safetensors_metadata)
 
 CONFIG_KEY = "memtrain_model_config"
 
@@ -38,11 +38,35 @@ def save_model(model: SegmentLM, path: str | Path, extra: dict | None = None) ->
 
 
 def read_config(path: str | Path) -> ModelConfig:
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
+    """The model config a model file carries (its tensors are not read); a WeightsError
+    for any file that is not a memtrain model file, naming what it is not."""
+    meta = model_file_metadata(path)
+    try:
+        return ModelConfig.from_dict(json.loads(meta[CONFIG_KEY]))
+    except ConfigError as err:
+        raise WeightsError(f"{path} was written with a model config this code does not "
+                           f"accept: {err}") from None
+    except (ValueError, TypeError) as err:
+        raise WeightsError(f"{path} has a {CONFIG_KEY!r} that is not a model config "
+                           f"({err})") from None
+
+
+def model_file_metadata(path: str | Path) -> dict[str, str]:
+    """The safetensors metadata of a memtrain model file (what `memtrain export` and
+    `memtrain import` write), refusing other files in one sentence: a torch checkpoint (a
+    state dict of the authors' wrapper comes in through `memtrain import`), a file that is
+    no safetensors, a safetensors file without the model config."""
+    if is_torch_file(path):
+        raise WeightsError(f"{path} is a PyTorch checkpoint, not a memtrain model file (the "
+                           "model.safetensors `memtrain export` or `memtrain import` "
+                           "writes; a state dict of the authors' wrapper comes in through "
+                           "`memtrain import`)")
+    meta = safetensors_metadata(path)
     if CONFIG_KEY not in meta:
-        raise ValueError(f"{path} has no {CONFIG_KEY!r} metadata: not a memtrain export")
-    return ModelConfig.from_dict(json.loads(meta[CONFIG_KEY]))
+        raise WeightsError(f"{path} is a safetensors file but not a memtrain model file (no "
+                           f"{CONFIG_KEY!r} metadata; `memtrain export` and `memtrain "
+                           "import` write one)")
+    return meta
 
 
 def load_initial(model: SegmentLM, path: str | Path) -> list[str]:
@@ -61,7 +85,7 @@ def load_initial(model: SegmentLM, path: str | Path) -> list[str]:
         if ours != theirs:
             raise ValueError(f"init_from {path}: the file's {field} is {theirs!r}, the run's "
                              f"{ours!r}; set {field}={theirs}")
-    state = _read_tensors(str(path))
+    state = read_safetensors(path)
     params = dict(model.named_parameters())
     unknown = sorted(set(state) - set(params))
     shapes = [f"{n}: file {tuple(t.shape)}, model {tuple(params[n].shape)}"

@@ -18,13 +18,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import pickle
+import secrets
+import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError
+from safetensors.torch import save_file
 
 from model import ModelConfig, backbone_of, build_model
 from model.io import save_model
+from model.weights_file import WeightsError, check_checkpoint_dir, read_weights
 from model.mechanisms.registry import by_authors_format
 from model.pretrained.authors_format import lora_state
 
@@ -37,17 +43,53 @@ MEMORY_FILE = "memtrain_memory.safetensors"
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """A state dict from .safetensors or a torch file (loaded with weights_only: a pickle
-    that is not plain tensors is refused rather than executed)."""
-    path = Path(path)
-    if path.suffix == ".safetensors":
-        return load_file(str(path))
-    state = torch.load(str(path), map_location="cpu", weights_only=True)
-    for wrapper in ("state_dict", "model_state_dict", "model"):
-        if isinstance(state, dict) and set(state) == {wrapper}:
-            state = state[wrapper]
-    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
-        raise ValueError(f"{path} holds no flat state dict of tensors")
-    return state
+    that is not plain tensors is refused rather than executed); a WeightsError, one
+    sentence naming the file, for anything else (model/weights_file.py)."""
+    return read_weights(path)
+
+
+def _load_base(base_dir: Path):
+    """The --base checkpoint in fp32; what cannot be loaded is refused naming --base."""
+    from transformers import AutoModelForCausalLM
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(base_dir), local_files_only=True,
+                                                    dtype=torch.float32)
+    except (OSError, ValueError, KeyError, SafetensorError, pickle.UnpicklingError,
+            EOFError) as err:
+        # transformers' own words, first line: e.g. a model type it does not know, or no
+        # weights file in the directory.
+        raise WeightsError(f"--base {base_dir}: cannot load it as a causal LM "
+                           f"({str(err).splitlines()[0] if str(err) else type(err).__name__})"
+                           ) from None
+
+
+def _written_into(out: Path):
+    """A staging directory beside `out` that the import writes into, and the function that
+    moves what it holds to `out` once everything is written: a failure part way (a segment
+    size the base's positions cannot hold, a full disk) leaves no --out behind. The
+    directories above `out` that had to be made are removed again on failure too."""
+    made = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # mkdir, not mkdtemp: the directory gets the user's usual permissions, not 0700.
+    staging = out.parent / f".{out.name}.importing-{os.getpid()}-{secrets.token_hex(4)}"
+    staging.mkdir()
+
+    def publish() -> None:
+        if not out.exists():
+            os.replace(staging, out)
+            return
+        # An existing --out is written over, as before: its base/ and model file replaced.
+        for item in staging.iterdir():
+            target = out / item.name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            os.replace(item, target)
+        staging.rmdir()
+
+    def discard() -> None:
+        shutil.rmtree(made[-1] if made else staging, ignore_errors=True)
+
+    return staging, publish, discard
 
 
 def import_authors(state_path: str | Path, base_dir: str | Path, segment_size: int,
@@ -55,15 +97,17 @@ def import_authors(state_path: str | Path, base_dir: str | Path, segment_size: i
     """A checkpoint of the RMT authors' wrapper (`fmt` "rmt-authors") or of the ARMT
     authors' ("armt-authors") -> a model directory (module docstring). Every base weight
     must be the base model's, of its shape; nothing is left behind silently."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    out, base_dir = Path(out), Path(base_dir)
+    out, base_dir = Path(out), Path(base_dir).expanduser()
     if segment_size <= 0:
         raise ValueError(f"--segment-size must be > 0, got {segment_size}")
     mechanism = by_authors_format(fmt)
+    try:
+        check_checkpoint_dir(base_dir)      # before the state dict: the cheaper look
+    except WeightsError as err:
+        raise WeightsError(f"--base {err}") from None
     ckpt = mechanism.authors_split(read_state_dict(state_path))
     base_state, memory = ckpt.base_state, ckpt.memory
-    base = AutoModelForCausalLM.from_pretrained(str(base_dir), local_files_only=True,
-                                                dtype=torch.float32)
+    base = _load_base(base_dir)
     placement = "follow"
     if ckpt.may_widen_positions:
         placement = _widen_position_table(base, base_state, memory.shape[0])
@@ -80,27 +124,44 @@ def import_authors(state_path: str | Path, base_dir: str | Path, segment_size: i
     if memory.shape[1] != base.config.hidden_size:
         raise ValueError(f"the memory is {tuple(memory.shape)} but the base model's width is "
                          f"{base.config.hidden_size}")
-    (out / "base").mkdir(parents=True, exist_ok=True)
-    base.save_pretrained(out / "base")
-    with contextlib.suppress(OSError, ValueError, TypeError):   # no tokenizer: ids only
-        AutoTokenizer.from_pretrained(str(base_dir), local_files_only=True).save_pretrained(
-            out / "base")
-    section = {"backbone": "hf", "tgt_len": segment_size, "mem_len": 0, "dropout": 0.0,
-               **mechanism.authors_section(memory.shape[0], segment_size,
-                                           correction=correction, placement=placement,
-                                           **ckpt.facts),
-               "hf": {"path": str((out / "base").resolve()), "finetune": "frozen"}}
-    model = build_model(ModelConfig.from_dict(section))
-    with torch.no_grad():
-        mechanism.authors_load(model, ckpt)
-    save_model(model, out / "model.safetensors",
-               extra={"imported_from": str(state_path), "imported_format": fmt})
+    staging, publish, discard = _written_into(out)
+    try:
+        model = _write_import(base, base_dir, staging, out, segment_size, mechanism, ckpt,
+                              correction, placement, extra={"imported_from": str(state_path),
+                                                            "imported_format": fmt})
+        publish()
+    except BaseException:
+        discard()
+        raise
     return {"imported": str(out / "model.safetensors"), "base": str(out / "base"),
-            "format": fmt, "mechanism": section["mechanism"],
+            "format": fmt, "mechanism": model.cfg.mechanism,
             "num_mem_tokens": memory.shape[0], "segment_size": segment_size,
             "base_tensors": len(base_state), "skipped_buffers": skipped,
             **ckpt.facts,
             **({"memory_positions": placement} if ckpt.may_widen_positions else {})}
+
+
+def _write_import(base, base_dir: Path, staging: Path, out: Path, segment_size: int,
+                  mechanism, ckpt, correction: bool, placement: str, extra: dict):
+    """`base/` and `model.safetensors` into `staging`; the model file's config names the
+    base where it will be, `out`/base."""
+    from transformers import AutoTokenizer
+    base.save_pretrained(staging / "base")
+    with contextlib.suppress(OSError, ValueError, TypeError):   # no tokenizer: ids only
+        AutoTokenizer.from_pretrained(str(base_dir), local_files_only=True).save_pretrained(
+            staging / "base")
+    section = {"backbone": "hf", "tgt_len": segment_size, "mem_len": 0, "dropout": 0.0,
+               **mechanism.authors_section(ckpt.memory.shape[0], segment_size,
+                                           correction=correction, placement=placement,
+                                           **ckpt.facts),
+               "hf": {"path": str((staging / "base").resolve()), "finetune": "frozen"}}
+    model = build_model(ModelConfig.from_dict(section))
+    with torch.no_grad():
+        mechanism.authors_load(model, ckpt)
+    # Built from the staged base; the file names the base where the import leaves it.
+    model.cfg.hf.path = str((out / "base").resolve())
+    save_model(model, staging / "model.safetensors", extra=extra)
+    return model
 
 
 def _widen_position_table(base, base_state: dict, m: int) -> str:
