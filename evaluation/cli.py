@@ -23,6 +23,7 @@ import torch
 from data_pipeline.shards import ShardError, load_manifest
 from memtrain.command_line import CommandParser, error_line, invalid_config
 from model import ConfigError
+from model.weights_file import WeightsError
 from train.config import RunConfig
 from train.distributed import device_for, resolve_env
 from train.evaluate import evaluate, headline, protocol_for
@@ -100,6 +101,8 @@ def main_eval(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         report = run_eval(cfg, args.checkpoint, track=not args.no_track, sweep_points=points)
+    except WeightsError as err:  # a checkpoint file that does not read: the input is bad
+        return error_line("memtrain eval", err, code=2)
     except (FileNotFoundError, ValueError) as err:  # no such checkpoint; weights vs config
         return error_line("memtrain eval", err, code=1)
     return 0 if report else 1

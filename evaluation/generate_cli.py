@@ -28,6 +28,7 @@ import torch
 from memtrain.command_line import error_line
 from model import ConfigError, stream_generate
 from model.backbones import check_segment_positions
+from model.io import read_config
 
 from .generation import load_for_generation
 
@@ -80,6 +81,34 @@ class StreamingDecoder:
         return self.utf8.decode(b"", final=True) if self.utf8 is not None else ""
 
 
+def _checked_checkpoint(name: str) -> Path:
+    """--checkpoint as given, refusing a path that is not there or a file that is not a
+    memtrain model file by what it is (a file under any other name than .safetensors
+    would otherwise be looked for as a run directory)."""
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"--checkpoint {name}: no such run directory, checkpoint "
+                                "folder or model file")
+    if path.is_file():
+        read_config(path)        # a WeightsError naming what the file is not
+        if path.suffix != ".safetensors":
+            raise ValueError(f"--checkpoint {name}: a memtrain model file is read by its "
+                             "name ending .safetensors; rename it")
+    return path
+
+
+def _no_vocabulary(checkpoint: Path, data: str | None) -> str:
+    """Why --prompt cannot be encoded, and what to give instead."""
+    if data is None and checkpoint.suffix == ".safetensors":
+        # A model file (an export, or what `memtrain import` wrote) carries no vocabulary:
+        # the text's tokens come from the data it was trained or is run on.
+        return (f"{checkpoint} carries no vocabulary: give --data, the data manifest folder "
+                "tokenized for this model (its text vocabulary encodes the prompt), or "
+                "--prompt-ids")
+    return (f"the data {data or 'of this run'} has no text vocabulary (ids only); give "
+            "--prompt-ids")
+
+
 def main_generate(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -88,13 +117,13 @@ def main_generate(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--{name.replace('_', '-')}", "must be >= 0")
         if args.temperature <= 0 or not 0 < args.top_p <= 1:
             raise ConfigError("--temperature/--top-p", "need temperature > 0, 0 < top-p <= 1")
+        checkpoint = _checked_checkpoint(args.checkpoint)
         # DeepSpeed's checkpoint consolidation prints progress: keep stdout for the text.
         with contextlib.redirect_stdout(sys.stderr):
-            model, vocab = load_for_generation(Path(args.checkpoint), args.data)
+            model, vocab = load_for_generation(checkpoint, args.data)
         if args.prompt is not None:
             if vocab is None:
-                raise ConfigError("--prompt", "this model's data has no text vocabulary; "
-                                  "give --prompt-ids")
+                raise ConfigError("--prompt", _no_vocabulary(checkpoint, args.data))
             ids = [int(i) for i in vocab.encode(args.prompt)]
         else:
             ids = [int(x) for x in args.prompt_ids.replace(",", " ").split()]

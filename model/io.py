@@ -19,8 +19,13 @@ from data_pipeline.atomic import AtomicFile
 from .backbones import backbone_of, build_model
 from .config import ConfigError, ModelConfig
 from .segment_lm import SegmentLM
-from .weights_file import (WeightsError, is_torch_file, read_safetensors,  # noqa: F401
-                           read_weights, safetensors_metadata)
+from .weights_file import (  # noqa: F401
+    WeightsError,
+    is_torch_file,
+    read_safetensors,
+    read_weights,
+    safetensors_metadata,
+)
 
 CONFIG_KEY = "memtrain_model_config"
 
@@ -74,7 +79,9 @@ def load_initial(model: SegmentLM, path: str | Path) -> list[str]:
     holds must be a parameter of `model` of the same shape, and the file's mechanism and
     attention pattern must be the model's (the same weights under another pattern are
     another model); the parameters the file does not hold (e.g. LoRA adapters a fine-tune
-    adds to an imported memory) keep their initialisation. Returns the names loaded."""
+    adds to an imported memory) keep their initialisation. Returns the names loaded; a
+    ValueError naming the file (a WeightsError for one that is no memtrain model file)
+    otherwise."""
     saved = read_config(path)
     mech = model.cfg.mech
     for field, ours, theirs in (("model.mechanism", model.cfg.mechanism, saved.mechanism),
@@ -83,7 +90,7 @@ def load_initial(model: SegmentLM, path: str | Path) -> list[str]:
                                    getattr(mech.opts(saved), name))
                                   for name in mech.identity_fields)):
         if ours != theirs:
-            raise ValueError(f"init_from {path}: the file's {field} is {theirs!r}, the run's "
+            raise ValueError(f"{path}: the file's {field} is {theirs!r}, the run's "
                              f"{ours!r}; set {field}={theirs}")
     state = read_safetensors(path)
     params = dict(model.named_parameters())
@@ -92,7 +99,7 @@ def load_initial(model: SegmentLM, path: str | Path) -> list[str]:
               for n, t in state.items() if n in params and t.shape != params[n].shape]
     empty = [n for n in state if n in params and params[n].numel() == 0]
     if unknown or shapes or empty:
-        raise ValueError(f"init_from {path} does not fit this model: not its parameters "
+        raise ValueError(f"{path} does not fit this model: not its parameters "
                          f"{unknown[:8]}, shapes {shapes[:8]}, partitioned by ZeRO-3 "
                          f"{empty[:8]} (start from a file that holds only memory and "
                          "adapters, or below ZeRO-3)")

@@ -123,7 +123,7 @@ def torch_load(path: str | Path, weights_only: bool = True):
     except pickle.UnpicklingError as err:
         raise (_pickled_objects(path, err) or _not_a_checkpoint(path, err)) from None
     except (OSError, RuntimeError, EOFError, KeyError, IndexError, ValueError,
-            TypeError, AttributeError, ImportError) as err:
+            TypeError, AttributeError) as err:
         # What a file that is not a torch checkpoint makes torch.load raise, by what its
         # bytes happen to be (a pickle of something else, a truncated zip, plain text).
         if isinstance(err, OSError) and err.filename:
@@ -182,8 +182,9 @@ def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
 def check_checkpoint_dir(path: str | Path, gguf_file: str = "") -> Path:
     """`path` as the directory a pretrained checkpoint's save_pretrained wrote: it exists,
     holds config.json that is a JSON object (or the GGUF file `gguf_file`, which carries
-    its config), and its safetensors weights have readable headers (the tensors are not
-    read: a large model's would take minutes)."""
+    its config), its safetensors weights have readable headers and its torch weights
+    (pytorch_model*.bin) start as torch.save writes (the tensors are not read: a large
+    model's would take minutes)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise WeightsError(f"{path}: no such directory")
@@ -207,4 +208,7 @@ def check_checkpoint_dir(path: str | Path, gguf_file: str = "") -> Path:
                            "config (a JSON object)")
     for weights in sorted(path.glob("*.safetensors")):
         safetensors_metadata(weights)
+    for weights in sorted(path.glob("pytorch_model*.bin")):
+        if not is_torch_file(weights):   # what torch.load would fail on, from its start
+            raise _not_a_checkpoint(weights, ValueError("not read"))
     return path

@@ -22,8 +22,10 @@ import yaml
 # ConfigError is re-exported from here for the layers above (cluster/, the command lines),
 # which build on the run config and need not know where in model/ it is defined.
 from model import ModelConfig, backbone_of, resolve_shape
+from model.io import model_file_metadata
 from model.recompute import parse_policy
 from model.typed import ConfigError, build_dataclass
+from model.weights_file import WeightsError
 
 # The shipped run configs and base DeepSpeed JSON, and how relative paths find them in a
 # checkout and in an installed wheel (PROJECT_ROOT: the checkout, for the tests).
@@ -267,9 +269,14 @@ def validate(cfg: RunConfig) -> RunConfig:
     _check(cfg.peak_tflops is None or 0 < cfg.peak_tflops < float("inf"), "peak_tflops",
            f"must be a positive number of TFLOP/s (or null: from the GPU), got {cfg.peak_tflops}")
     _check(cfg.keep_last >= 1, "keep_last", f"must be >= 1, got {cfg.keep_last}")
-    _check(not cfg.init_from or Path(cfg.init_from).expanduser().is_file(), "init_from",
-           f"{cfg.init_from} is not a file (a model file `memtrain export` or `memtrain "
-           "import` wrote)")
+    if cfg.init_from:
+        # The header only (the tensors are read when the run starts): a file that is not a
+        # model file is refused here, before a run directory is made.
+        try:
+            model_file_metadata(Path(cfg.init_from).expanduser())
+        except WeightsError as err:
+            raise ConfigError("init_from", f"{err} (init_from takes a model file `memtrain "
+                              "export` or `memtrain import` wrote)") from None
 
     d = cfg.data
     _check(bool(d.path), "data.path", "is required (a folder with manifest.json)")

@@ -23,13 +23,17 @@ import torch
 import torch.distributed as dist
 
 from model import ConfigError, ModelConfig, backbone_of, build_model, save_model
+from model.weights_file import torch_load
 
 from .checkpoint import CheckpointInfo
 from .distributed import import_deepspeed
 
 
 def _load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """A file DeepSpeed wrote into the run's own checkpoint (trusted: it pickles optimizer
+    objects, so not weights_only); a truncated or foreign file is a WeightsError naming it,
+    not torch.load's traceback."""
+    return torch_load(path, weights_only=False)
 
 
 def _optimizer_files(info: CheckpointInfo) -> list[Path]:

@@ -132,7 +132,10 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     # A pretrained base at ZeRO-3 is loaded partitioned from the start (train/pretrained.py).
     model = build_for_engine(cfg.model, ds_config, env.is_main)
     if cfg.init_from and info is None:
-        loaded = load_initial(model, cfg.init_from)
+        try:
+            loaded = load_initial(model, cfg.init_from)
+        except ValueError as err:  # a file that does not read, or another model's weights
+            raise ConfigError("init_from", str(err)) from None
         if env.is_main:
             print(f"memtrain: started from {cfg.init_from} ({len(loaded)} tensors: "
                   f"{', '.join(loaded[:4])}{' ...' if len(loaded) > 4 else ''})", flush=True)

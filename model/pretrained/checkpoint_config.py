@@ -18,6 +18,7 @@ from pathlib import Path
 from memtrain.extras import missing_extra
 
 from ..typed import ConfigError
+from ..weights_file import WeightsError, check_checkpoint_dir
 from .traits import Traits, check_rows, config_traits, d_inner
 
 
@@ -67,8 +68,8 @@ def _source(opts) -> dict:
     if local.is_dir():
         kwargs.update(pretrained_model_name_or_path=str(local), local_files_only=True)
     elif opts.path.startswith((".", "/", "~")) or local.exists():
-        raise ConfigError("model.hf.path", f"{opts.path} is not a directory (a local "
-                          "checkpoint is the directory save_pretrained writes)")
+        # A path, not a hub name: say whether it is missing or a file.
+        checked_dir(opts)
     if opts.revision:
         kwargs["revision"] = opts.revision
     if opts.gguf_file:
@@ -79,11 +80,24 @@ def _source(opts) -> dict:
     return kwargs
 
 
+def checked_dir(opts) -> None:
+    """A local `model.hf.path` as the directory save_pretrained writes: there, with a
+    config.json that is JSON (or the GGUF file `model.hf.gguf_file`), its safetensors
+    headers readable; a ConfigError naming what it is not (model/weights_file.py). A hub
+    name is left to transformers."""
+    try:
+        check_checkpoint_dir(opts.path, opts.gguf_file)
+    except WeightsError as err:
+        raise ConfigError("model.hf.path", str(err)) from None
+
+
 @functools.lru_cache(maxsize=8)
 def _hf_config(path: str, revision: str, gguf_file: str):
     from transformers import AutoConfig
     opts = type("Opts", (), {"path": path, "revision": revision, "gguf_file": gguf_file})
     source = _source(opts)   # its ConfigError names its own field
+    if source.get("local_files_only"):
+        checked_dir(opts)
     try:
         return AutoConfig.from_pretrained(**source)
     except (OSError, ValueError) as err:

@@ -4,15 +4,17 @@
 from __future__ import annotations
 
 import logging
+import pickle
 
 import torch
+from safetensors import SafetensorError
 
 from memtrain.extras import missing_extra
 
 from ..typed import ConfigError
 from .activation_recompute import recompute_activations
 from .activations import fuse_gelu
-from .checkpoint_config import _source
+from .checkpoint_config import _source, checked_dir
 
 log = logging.getLogger(__name__)
 _said_eager: set[str] = set()
@@ -27,6 +29,8 @@ def load_base(cfg, dtype: torch.dtype = torch.float32):
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # one bar per load floods every rank's log
     source = _source(cfg.hf)   # its ConfigError names its own field
+    if source.get("local_files_only"):
+        checked_dir(cfg.hf)
     # An architecture with no SDPA path in transformers (GPT-Neo, Gemma 2) runs the eager
     # attention, said once per architecture in the log.
     impl = cfg.hf.attn_implementation
@@ -35,9 +39,12 @@ def load_base(cfg, dtype: torch.dtype = torch.float32):
     try:
         model = AutoModelForCausalLM.from_pretrained(**source, dtype=dtype,
                                                      attn_implementation=impl)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, KeyError, IndexError, EOFError, SafetensorError,
+            pickle.UnpicklingError) as err:
+        # The others than OSError and ValueError: weights files that do not read (a
+        # pytorch_model.bin that is not a torch file, a safetensors file cut short).
         raise ConfigError("model.hf.path", f"cannot load {cfg.hf.path!r}: "
-                          f"{str(err).splitlines()[0]}") from err
+                          f"{(str(err).splitlines() or [type(err).__name__])[0]}") from err
     model.config.use_cache = False
     training_activations(model, cfg.hf)
     return model
