@@ -98,7 +98,8 @@ def run_memtrain(tokens, repeats, args, reset: bool) -> dict:
                       d_inner=4 * args.dim, tgt_len=SEG, mem_len=0, dropout=0.0,
                       pre_lnorm=True,
                       titans={"num_persistent": args.persistent, "d_mem": args.d_mem,
-                              "chunk_size": args.chunk, "variant": args.variant})
+                              "chunk_size": args.chunk, "variant": args.variant,
+                              **titans_overrides(args.titans)})
     model = build_model(cfg).train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     name = ("memtrain-reset" if reset else "memtrain") + (
@@ -112,11 +113,23 @@ def run_memtrain(tokens, repeats, args, reset: bool) -> dict:
             out = model(x[:, cut], None if reset else state, targets=y[:, cut])
             nll.append(out.nll)
             state = out.state
+            if args.bptt is not None and (s + 1) % (args.bptt + 1) == 0:
+                state = state.detach()     # the gradient reaches `--bptt` segments back
         nll = torch.cat(nll, dim=1)
         _update(model, opt, nll, args)
         curve.add(step, nll.detach(), repeats[step])
     return {"name": name, "params": sum(p.numel() for p in model.parameters()),
             "curve": curve.points}
+
+
+def titans_overrides(items: list[str]) -> dict:
+    """`--titans KEY=VALUE` items as `model.titans` fields (VALUE read as YAML)."""
+    import yaml
+    out = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        out[key] = yaml.safe_load(value)
+    return out
 
 
 def _update(model, opt, nll: torch.Tensor, args) -> None:
@@ -169,6 +182,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--variant", default="mac", choices=["mac", "mag", "mal"],
                    help="memtrain's model.titans.variant: mal and mag write (and read) the "
                         "memory from each layer's input, as titans-pytorch does")
+    p.add_argument("--titans", action="append", default=[], metavar="KEY=VALUE",
+                   help="memtrain's model.titans field (repeatable), e.g. update_input=input")
+    p.add_argument("--bptt", type=int, default=None,
+                   help="memtrain: the gradient reaches this many segments back (the state "
+                        "detached after every bptt + 1 segments); default: all 8")
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--runs", default="memtrain,memtrain-reset,titans-pytorch,titans-pytorch-off")
     p.add_argument("--titans-python", default="",

@@ -272,6 +272,7 @@ class NeuralMemory(nn.Module):
     def __init__(self, d_model: int, d_mem: int, depth: int = 2, hidden: int | None = None,
                  chunk_size: int = 16, max_lr: float = 0.5, max_momentum: float = 0.9,
                  max_forget: float = 1.0, forget_bias: float = -4.0,
+                 lr_bias: float = 0.0, momentum_bias: float = 0.0,
                  max_grad_norm: float | None = None, conv_size: int = 0,
                  compile_backend: str | None = None):
         super().__init__()
@@ -294,7 +295,7 @@ class NeuralMemory(nn.Module):
                                      for n in ("q", "k", "v")}) if conv_size else None)
         self.gates = nn.Linear(d_model, 3)             # theta, eta, alpha (pre-sigmoid)
         with torch.no_grad():
-            self.gates.bias.copy_(torch.tensor([0.0, 0.0, forget_bias]))
+            self.gates.bias.copy_(torch.tensor([lr_bias, momentum_bias, forget_bias]))
         self.chunk_size = chunk_size
         self.max_lr, self.max_momentum, self.max_forget = max_lr, max_momentum, max_forget
         self.max_grad_norm = max_grad_norm

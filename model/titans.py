@@ -59,7 +59,8 @@ def neural_memory(cfg: ModelConfig) -> NeuralMemory:
     return NeuralMemory(cfg.d_model, o.d_mem, depth=o.memory_depth, hidden=o.memory_hidden,
                         chunk_size=o.chunk_size, max_lr=o.max_lr, max_momentum=o.max_momentum,
                         max_forget=o.max_forget, max_grad_norm=o.max_grad_norm,
-                        conv_size=o.conv_size,
+                        conv_size=o.conv_size, lr_bias=o.lr_bias,
+                        momentum_bias=o.momentum_bias, forget_bias=o.forget_bias,
                         compile_backend=cfg.compile_backend if o.compiled_chunks else None)
 
 
@@ -110,7 +111,7 @@ class TitansCore(RelativeBackbone):
                            if o.variant != "mag" else None)
         self.memory_gate = (nn.ModuleList(MemoryGate(o.d_mem, cfg.d_model)
                                           for _ in range(cfg.n_layer))
-                            if o.variant != "mal" else None)
+                            if o.variant != "mal" and o.output_gate else None)
         std = cfg.init_std * cfg.d_model ** 0.5        # a scaled token embedding's scale
         self.persistent = (Learned(torch.randn(cfg.n_layer, o.num_persistent, cfg.d_model) * std)
                            if o.num_persistent else None)
@@ -125,7 +126,7 @@ class TitansCore(RelativeBackbone):
         the MLP's inputs and errors), and with convolutions their inputs; the state is every
         layer's weights and momentum, float32, and the convolutions' tails."""
         o, n, d, n_layer = cfg.titans, cfg.tgt_len, cfg.d_model, cfg.n_layer
-        k = o.num_persistent + (2 if o.variant == "mac" else 1) * n
+        k = o.num_persistent + (2 if o.variant == "mac" and o.read_as == "context" else 1) * n
         mem = neural_memory(cfg)
         widths = [s[1] for s in mem.shapes]
         chunks = -(-n // o.chunk_size)
@@ -171,10 +172,13 @@ class TitansCore(RelativeBackbone):
             state = self.empty_state(bsz, h0.device)
         persistent = self.persistent() if self.persistent is not None else None
         n_p = persistent.shape[1] if persistent is not None else 0
-        mac = self.cfg.titans.variant == "mac"
-        # keys [p | h | x] (MAC) or [p | x] (MAG, MAL)
+        o = self.cfg.titans
+        mac = o.variant == "mac"
+        rows_read = mac and o.read_as == "context"
+        # keys [p | h | x] (MAC, the read as context rows) or [p | x] (MAG, MAL, MAC with
+        # the read on the residual stream)
         allowed = mac_allowed(n_p, n_tok, h0.device)
-        if not mac:
+        if not rows_read:
             allowed = allowed[:, :, :n_p + n_tok]
         n_k = allowed.shape[-1]
         dist = distance_list(n_k - n_tok, n_tok, 0, n_k, n_dist=n_k, device=h0.device)
@@ -191,12 +195,19 @@ class TitansCore(RelativeBackbone):
             if mac:
                 x_tail = state.tail(1, i)
                 h = self.memory_out[i](mem.retrieve(weights, x, x_tail).to(x.dtype))  # Eq. 21
-                context = torch.cat([*rows, h], dim=1)                            # Eq. 22
-                y = self.run_layer(layer, x, context, r_emb, u, v, allowed)         # Eq. 23
-                weights, momentum, r = mem.update(weights, momentum, y, read=y,     # Eq. 24
-                                                  tail=tail)
-                new_t.append([mem.carry(tail, y), mem.carry(x_tail, x)])
-                x = self.memory_gate[i](y, r)                                      # Eq. 25
+                if rows_read:
+                    context = torch.cat([*rows, h], dim=1)                        # Eq. 22
+                    y = self.run_layer(layer, x, context, r_emb, u, v, allowed)     # Eq. 23
+                else:   # `read_as: residual`: x_i + h_i, the context the persistent rows
+                    context = torch.cat(rows, dim=1) if rows else None
+                    y = self.run_layer(layer, x + h, context, r_emb, u, v, allowed)
+                # Eq. 24: written with y (the paper) or the layer's input x (`update_input`)
+                src = y if o.update_input == "output" else x
+                gated = self.memory_gate is not None
+                weights, momentum, r = mem.update(weights, momentum, src,
+                                                  read=src if gated else None, tail=tail)
+                new_t.append([mem.carry(tail, src), mem.carry(x_tail, x)])
+                x = self.memory_gate[i](y, r) if gated else y                      # Eq. 25
             else:
                 # MAG (§4.2): attention and the memory side by side on the layer's input,
                 # combined by the gate. MAL (§4.3): the memory's read (a residual

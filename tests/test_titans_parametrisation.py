@@ -74,6 +74,27 @@ def test_gates_at_a_zero_input_are_the_bounds_times_the_sigmoid_of_the_initial_b
     assert float(alpha) == pytest.approx(0.5 * _sigmoid(-1.0), rel=1e-6)
 
 
+def test_the_initial_gate_biases_are_the_options_and_set_the_gates_at_zero_input():
+    """`model.titans.lr_bias`, `momentum_bias`, `forget_bias` are b_g of every layer's
+    memory, so at x = 0 theta = max_lr sigmoid(lr_bias), eta = max_momentum
+    sigmoid(momentum_bias), alpha = max_forget sigmoid(forget_bias); the defaults are the
+    earlier (0, 0, -4)."""
+    model = build_model(ModelConfig(
+        mechanism="titans", vocab_size=8, n_layer=2, d_model=D_MODEL, n_head=2, d_inner=16,
+        tgt_len=4, mem_len=0, titans={"d_mem": D_MEM, "lr_bias": 1.5, "momentum_bias": -1.0,
+                                      "forget_bias": -2.5}))
+    for mem in model.core.memory:
+        assert mem.gates.bias.tolist() == [1.5, -1.0, -2.5]
+        theta, eta, alpha = _module_gates(mem, torch.zeros(1, 1, D_MODEL))
+        assert float(theta) == pytest.approx(0.5 * _sigmoid(1.5), rel=1e-6)
+        assert float(eta) == pytest.approx(0.9 * _sigmoid(-1.0), rel=1e-6)
+        assert float(alpha) == pytest.approx(_sigmoid(-2.5), rel=1e-6)
+    default = build_model(ModelConfig(mechanism="titans", vocab_size=8, n_layer=1,
+                                      d_model=D_MODEL, n_head=2, d_inner=16, tgt_len=4,
+                                      mem_len=0, titans={"d_mem": D_MEM}))
+    assert default.core.memory[0].gates.bias.tolist() == [0.0, 0.0, -4.0]
+
+
 def test_gates_at_a_stated_input_follow_the_paper_from_the_raw_projection():
     """A stated input (x = (1, -2, 0.5, 0, ...)) and a random one: each gate equals its
     bound times the sigmoid of its own row of the projection, computed here from the

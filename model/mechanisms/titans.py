@@ -25,6 +25,8 @@ from ..typed import ConfigError
 from .registry import Mechanism, register
 
 VARIANTS = ("mac", "mag", "mal")
+UPDATE_INPUTS = ("output", "input")
+READ_AS = ("context", "residual")
 MAX_DEPTH = 4
 
 
@@ -65,6 +67,23 @@ class TitansOptions:
     # layer (model/compiled.py `compiled_chunk_step`; docs/titans.md, "The compiled chunk").
     # Off: eager. Independent of `model.compile`, which compiles the decoder stack.
     compiled_chunks: bool = False
+    # MAC (§4.1) only. The stream the memory is written with (Eq. 24): "output", the
+    # attention's output y as the paper writes it; "input", the layer's input x (what MAG,
+    # MAL and titans-pytorch's MAC write).
+    update_input: str = "output"
+    # MAC only. Where the read h = W_H M*(q) enters (Eq. 22): "context", as rows the
+    # segment's tokens attend to; "residual", added to each token's row x_i + h_i before
+    # the attention (a choice outside the paper: it gives the read a direct path to the
+    # output at initialisation).
+    read_as: str = "context"
+    # Eq. 25's gate o = y * 2 sigmoid(W_G M*(y)) (MAC, MAG); off: o = y.
+    output_gate: bool = True
+    # Initial biases of the data-dependent gates (pre-sigmoid, §3.1): theta_t = max_lr
+    # sigmoid(lr_bias + ...), eta_t = max_momentum sigmoid(momentum_bias + ...), alpha_t =
+    # max_forget sigmoid(forget_bias + ...). -4: alpha ~ 0.018 per token.
+    lr_bias: float = 0.0
+    momentum_bias: float = 0.0
+    forget_bias: float = -4.0
 
 
 @register
@@ -128,6 +147,29 @@ class Titans(Mechanism):
         if o.conv_size < 0 or o.conv_size == 1:
             raise ConfigError("model.titans.conv_size", f"must be 0 (none) or >= 2 (a "
                               f"kernel over a row and the ones before it), got {o.conv_size}")
+        if o.update_input not in UPDATE_INPUTS:
+            raise ConfigError("model.titans.update_input", f"unknown {o.update_input!r}; "
+                              f"choose one of {', '.join(UPDATE_INPUTS)}")
+        if o.read_as not in READ_AS:
+            raise ConfigError("model.titans.read_as", f"unknown {o.read_as!r}; choose one "
+                              f"of {', '.join(READ_AS)}")
+        native_only = {"update_input": "output", "read_as": "context", "output_gate": True}
+        for name, default in native_only.items():
+            if getattr(o, name) != default and cfg.backbone != "native":
+                raise ConfigError(f"model.titans.{name}", f"{getattr(o, name)!r} runs on the "
+                                  f"native stack only; around a pretrained decoder: {default!r}")
+        if (o.update_input != "output" or o.read_as != "context") and o.variant != "mac":
+            raise ConfigError("model.titans.update_input" if o.update_input != "output"
+                              else "model.titans.read_as",
+                              "is MAC's (variant 'mac'); MAG and MAL read and write the "
+                              "layer's input already")
+        if not o.output_gate and o.variant != "mac":
+            raise ConfigError("model.titans.output_gate", "MAG's output is the gate (off, "
+                              "its memory would be unused); MAL has none: 'mac' only")
+        for name in ("lr_bias", "momentum_bias", "forget_bias"):
+            if not abs(getattr(o, name)) < float("inf"):
+                raise ConfigError(f"model.titans.{name}", f"must be finite, got "
+                                  f"{getattr(o, name)}")
         if not 0 <= o.max_forget <= 1:
             raise ConfigError("model.titans.max_forget", f"must be in [0, 1], got "
                               f"{o.max_forget}")
