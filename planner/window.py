@@ -106,6 +106,11 @@ def window_memory(dm: Dims, p: Params, n_segments: int, checkpoint_segments: boo
             (new_state if n_plain else 0.0)
     multi, buffers = n_segments > 1, 0.0
     peak = live
+    if n_plain:
+        # The last segment's forward, bounded above: all it saves, what the embedding's
+        # callers hold and the block whose passing outputs are the largest (a
+        # mixture-of-experts layer's k·N routed rows, model/pretrained/shapes.py).
+        peak = live + last[0].forward + max(blk.forward for blk in last[1:])
     # Backward, last segment first: the plain ones, then the checkpointed ones. From the
     # second of a kind on every parameter's buffer exists and less is alive, so the later
     # segments cannot peak higher: two of each kind are simulated.

@@ -256,13 +256,22 @@ def test_a_segment_wider_than_a_sliding_window_is_refused_when_it_runs(ckpt):
     assert err.value.field == "model.tgt_len"
 
 
-def test_the_planner_refuses_a_mixture_of_experts_by_name(ckpt):
-    from model.pretrained.checkpoint_config import hf_config
-    from model.pretrained.shapes import layout
-    cfg = resolve_shape(ModelConfig.from_dict(_section(ckpt("mixtral"), "rmt")))
-    with pytest.raises(ConfigError, match="mixture-of-experts model \\('mixtral': 4 experts, "
-                                          "top 2 per token\\)"):
-        layout(hf_config(cfg.hf))
+def test_the_planner_counts_every_expert_of_a_mixture_of_experts(ckpt):
+    """`memtrain plan` states Mixtral and Qwen2-MoE layers (model/pretrained/shapes.py):
+    its parameter count, made on the meta device, is the built model's, every expert's
+    weights included; Qwen3-MoE and OLMoE (their attention's q/k norms) are refused by
+    name."""
+    from planner.activations import count_params
+    for arch in ("mixtral", "qwen2_moe"):
+        cfg = resolve_shape(ModelConfig.from_dict(_section(ckpt(arch), "rmt")))
+        torch.manual_seed(0)
+        model = build_model(cfg)
+        assert count_params(cfg).total == sum(p.numel() for p in model.parameters())
+        experts = model.base.model.layers[0].mlp.experts
+        assert experts.gate_up_proj.shape[0] == 4       # all E experts are parameters
+    cfg = resolve_shape(ModelConfig.from_dict(_section(ckpt("olmoe"), "rmt")))
+    with pytest.raises(ConfigError, match="no segment shapes for 'olmoe'"):
+        count_params(cfg)
 
 
 def test_the_probe_reads_positions_logits_attention_and_router(models):

@@ -7,7 +7,8 @@ in (filled under no_grad first) and parameter gradients already allocated (a war
 so that what grows is the window's own memory. Two exact byte counts, no RSS:
 
 - saved: the storages of every tensor autograd saves during the forward
-  (`torch.autograd.graph.saved_tensors_hooks`), each storage once, parameters and storages
+  (`torch.autograd.graph.saved_tensors_hooks`), each storage once (a storage freed during
+  the forward whose address a later one reuses counts as two), parameters and storages
   that existed before the window (the carried memory) excluded. Checkpointed segments and
   layers save through their own hooks, so this count misses what they keep.
 - peak: the high-water mark of the bytes allocated by torch's CPU allocator between the
@@ -24,6 +25,7 @@ from __future__ import annotations
 import gc
 import math
 import warnings
+import weakref
 
 import torch
 from torch._C._profiler import _EventType
@@ -156,12 +158,19 @@ def measure(cfg: ModelConfig, rows: int, depth: int, checkpoint_segments: bool,
     with warnings.catch_warnings():   # isinstance() on deprecated torch.distributed aliases
         warnings.simplefilter("ignore", FutureWarning)
         before = {_data_ptr(t) for t in gc.get_objects() if isinstance(t, torch.Tensor)}
-    saved: dict[int, int] = {}
+    # Per address, the storages saved there (bytes, and weak references to the saved
+    # tensors): a tensor saved by a node the forward drops (e.g. topk's indices when only
+    # its indices are used further) is freed with it, and its address may then hold
+    # another saved tensor, a new storage, counted again.
+    saved: dict[int, list[tuple[int, list[weakref.ref]]]] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ptr = t.untyped_storage().data_ptr()
         if ptr not in before:
-            saved[ptr] = t.untyped_storage().nbytes()
+            there = saved.setdefault(ptr, [])
+            if not there or not any(r() is not None for r in there[-1][1]):
+                there.append((t.untyped_storage().nbytes(), []))
+            there[-1][1].append(weakref.ref(t))
         return t
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -169,7 +178,8 @@ def measure(cfg: ModelConfig, rows: int, depth: int, checkpoint_segments: bool,
             res = run_window(forward, state, segments, "cpu", **window)
         res.loss.backward()
         del res
-    out = {"saved": sum(saved.values()), "peak": _peak_growth(prof)}
+    out = {"saved": sum(n for there in saved.values() for n, _ in there),
+           "peak": _peak_growth(prof)}
     if compiled:
         out["graphs"] = compiled_graphs() - graphs_before
         if not out["graphs"]:

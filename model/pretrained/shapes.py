@@ -77,6 +77,32 @@ class Linear:
 
 
 @dataclass(frozen=True)
+class Fused:
+    """One fused [E, ., .] expert tensor (or the router's weight) of the meta model."""
+
+    trains: bool           # the tensor itself gets a gradient
+    adapted: bool          # peft's ParamWrapper (`target_parameters`) adapts it: the
+    #                        forward reads W + scaling·B·A, a new tensor of W's shape
+
+
+@dataclass(frozen=True)
+class MoeFacts:
+    """A mixture-of-experts layer's facts (architectures.py `Experts`, the config, the meta
+    model)."""
+
+    experts: int           # E
+    top_k: int             # k
+    size: int              # an expert's intermediate size I
+    renormalise: bool
+    fp32_weights: bool
+    router: Fused
+    gate_up: Fused
+    down: Fused
+    balance: bool          # the forward adds the load-balancing loss (router.py)
+    shared_size: int = 0   # the shared expert's intermediate size (0: none)
+
+
+@dataclass(frozen=True)
 class Base:
     """The meta model's facts the shapes need (read once per checkpoint and finetune mode)."""
 
@@ -96,20 +122,13 @@ class Base:
     trained_total: int
     largest: int           # the largest single tensor
     positions: int         # rows of a learned position table (0: none)
+    moe: MoeFacts | None = None
 
 
 def layout(hf) -> Layout:
     """The planner's layout of the checkpoint's architecture (architectures.py), or a
-    ConfigError naming the architectures it has one for. A mixture-of-experts model is
-    refused by that name: the planner states one dense feed-forward block per layer, not
-    every expert's weights beside the routed top-k's activations."""
-    moe = config_traits(hf).moe
-    if moe is not None:
-        raise ConfigError("model.hf.path", f"`memtrain plan` does not state the segment "
-                          f"shapes of a mixture-of-experts model ({hf.model_type!r}: "
-                          f"{moe.experts} experts, top {moe.top_k} per token): its expert "
-                          "weights and routed activations are not counted "
-                          "(model/pretrained/shapes.py); it trains, unplanned")
+    ConfigError naming the architectures it has one for, or what of a planned one's config
+    it does not count."""
     lay = LAYOUTS.get(hf.model_type)
     if lay is None:
         raise ConfigError("model.hf.path", f"`memtrain plan` has no segment shapes for "
@@ -119,6 +138,18 @@ def layout(hf) -> Layout:
     if act not in ACTIVATION_SAVES:
         raise ConfigError("model.hf.path", f"`memtrain plan` does not count the activation "
                           f"{act!r} ({lay.act_field}); counted: {', '.join(ACTIVATION_SAVES)}")
+    if lay.moe is not None:
+        # Every layer is stated alike: a dense layer among the sparse ones, or the routers'
+        # multiplicative jitter on their input, is not.
+        uneven = {"mlp_only_layers": bool(getattr(hf, "mlp_only_layers", None)),
+                  "decoder_sparse_step": getattr(hf, "decoder_sparse_step", 1) != 1,
+                  "router_jitter_noise": bool(getattr(hf, "router_jitter_noise", 0.0))}
+        for field, on in uneven.items():
+            if on:
+                raise ConfigError("model.hf.path", f"`memtrain plan` states every layer of "
+                                  f"{hf.model_type!r} as one sparse mixture-of-experts layer "
+                                  f"without router jitter; its config's {field} "
+                                  f"({getattr(hf, field)!r}) is not counted")
     return lay
 
 
@@ -130,6 +161,40 @@ def _linear(module) -> Linear:
     name = next(iter(lora))
     drop = module.lora_dropout[name]
     return Linear(base.weight.requires_grad, module.r[name], float(getattr(drop, "p", 0.0)))
+
+
+def _fused(module, name: str) -> tuple[Fused, int]:
+    """The fused tensor `name` of `module` (the experts, or the router's `weight`) through
+    the chain of peft ParamWrappers around it, and the trained elements it adds (its own, and
+    those of its adapter's lora_A and lora_B)."""
+    adapted, elems = False, 0
+    while hasattr(module, "base_layer"):
+        if getattr(module, "parameter_name", None) == name:
+            adapted = True
+            elems += sum(p.numel() for n, p in module.named_parameters()
+                         if p.requires_grad and n.startswith(("lora_A.", "lora_B.")))
+        module = module.base_layer
+    p = getattr(module, name)
+    return Fused(p.requires_grad, adapted), elems + (p.numel() if p.requires_grad else 0)
+
+
+def _moe(hf, lay: Layout, layer, router) -> tuple[MoeFacts, int, int]:
+    """The layer's MoE facts, and the trained elements of its "ffn" block (router, the
+    experts' gate_up, the shared expert's gate and up, its gate) and "ffn-out" (down)."""
+    ex = lay.moe
+    traits = config_traits(hf).moe
+    rt, rt_n = _fused(layer.get_submodule(ex.router), "weight")
+    experts = layer.get_submodule(ex.experts)
+    gu, gu_n = _fused(experts, "gate_up_proj")
+    dn, dn_n = _fused(experts, "down_proj")
+    renorm = ex.renormalise if isinstance(ex.renormalise, bool) else \
+        bool(getattr(hf, ex.renormalise))
+    facts = MoeFacts(traits.experts, traits.top_k, int(getattr(hf, ex.size_field)), renorm,
+                     ex.fp32_weights, rt, gu, dn, router is not None,
+                     int(getattr(hf, ex.shared_field)) if ex.shared else 0)
+    shared_in = (*ex.shared[:2], ex.shared_gate) if ex.shared else ()
+    return (facts, rt_n + gu_n + _trained(layer, shared_in) if shared_in else rt_n + gu_n,
+            dn_n + (_trained(layer, ex.shared[2:]) if ex.shared else 0))
 
 
 def _trained(module, prefixes) -> int:
@@ -153,7 +218,10 @@ def _base(key: str) -> Base:
         lm = PretrainedMemoryLM(cfg, base=base, memory_scale=1.0)
     top = base.base_model
     layer = getattr(top, lay.layers)[0]
-    names = (*lay.qkv, lay.out, *lay.ffn_in, lay.ffn_out)
+    names = (*lay.qkv, lay.out, *lay.ffn_in, *([lay.ffn_out] if lay.ffn_out else []),
+             *((*lay.moe.shared, lay.moe.shared_gate) if lay.moe and lay.moe.shared else ()))
+    moe, moe_in, moe_out = _moe(hf, lay, layer, lm._router) if lay.moe else (None, 0, 0)
+    ffn_in = lay.ffn_in if not lay.moe else ()
     norm = lambda mod: all(p.requires_grad for p in mod.parameters())  # noqa: E731
     params = list(lm.parameters())
     head = base.get_output_embeddings()
@@ -175,8 +243,8 @@ def _base(key: str) -> Base:
         tied=head.weight is base.get_input_embeddings().weight,
         trained={"attention": _trained(layer, (lay.attn_norm, *lay.qkv)),
                  "attention-out": _trained(layer, (lay.out,)),
-                 "ffn": _trained(layer, (lay.ffn_norm, *lay.ffn_in)),
-                 "ffn-out": _trained(layer, (lay.ffn_out,)),
+                 "ffn": _trained(layer, (lay.ffn_norm, *ffn_in)) + moe_in,
+                 "ffn-out": (_trained(layer, (lay.ffn_out,)) if lay.ffn_out else 0) + moe_out,
                  "embedding": _trained(top, lay.embeddings) + _trained(lm, ("memory_init",)),
                  "associative": _trained(lm, ("associative.0.",)),
                  "head": _trained(top, (lay.final_norm,))
@@ -185,7 +253,7 @@ def _base(key: str) -> Base:
         total=sum(p.numel() for p in params),
         trained_total=sum(p.numel() for p in params if p.requires_grad),
         largest=max(p.numel() for p in params),
-        positions=getattr(hf, "n_positions", 0) if lay is GPT2 else 0)
+        positions=getattr(hf, "n_positions", 0) if lay is GPT2 else 0, moe=moe)
 
 
 def base_facts(cfg) -> Base:
@@ -264,6 +332,77 @@ def _matmuls(linears: list[Linear], widths: list[int], rows: int, q: int, fan_in
     return out
 
 
+def _moe_blocks(f: Base, lay: Layout, b: int, q: int, d: int, recompute: bool, mm
+                ) -> tuple[StatedBlock, ...]:
+    """The "ffn", "experts" and "ffn-out" blocks of a mixture-of-experts layer (module docstring) over
+    N = B·Q rows, S = k·N routed rows, as the `grouped_mm` experts implementation runs
+    them."""
+    m, t, lin, ex = f.moe, TensorShape, f.linears, lay.moe
+    n, k, e, i, si = b * q, f.moe.top_k, f.moe.experts, f.moe.size, f.moe.shared_size
+    s = k * n
+    shared = [lin[x] for x in ex.shared]
+    gate = [lin[ex.shared_gate]] if si else []
+    router = Linear(m.router.trains or m.router.adapted)
+    up_reads = m.gate_up.trains or m.gate_up.adapted
+    down_reads = m.down.trains or m.down.adapted
+    f32 = lambda shape: t(shape, "fp32", category="ffn")  # noqa: E731
+    saved = [*_norm(lay, b, q, d, f.norm_trains[lay.ffn_norm]),
+             *_inputs([router, *shared[:2], *gate], b, q, d, "ffn"),
+             *([t((e, d), category="ffn")] if m.router.adapted else []),
+             f32((n, e)),                                     # the router's softmax
+             t((n, k), "int64", category="ffn"),              # top-k's indices
+             *([f32((n, k)), f32((n, 1))] if m.renormalise else []),
+             # the load-balancing loss (router.py) redoes the softmax and the top-k (whose
+             # saved indices are freed with it at once: its values are not used; counted)
+             *([t((n, e), category="ffn"), t((n, k), "int64", category="ffn")]
+               if m.balance else []),
+             # the gather by expert, the weights' gather, the inverse permutation
+             t((s,), "int64", count=3, category="ffn"),
+             f32((e,)),                                       # int32 offsets, 4 B each
+             *([t((s, d), category="ffn")] if up_reads else []),
+             *([t((e, 2 * i, d), category="ffn")] if m.gate_up.adapted else [])]
+    if si:   # the shared expert: a dense SwiGLU over all N rows
+        saved.append(t((n, si), count=2 if recompute else 3, category="ffn"))
+    ffn = StatedBlock(
+        "ffn", saved=tuple(saved), alive=(t((b, q, d)),),
+        # gate_up's grouped matmul backward: its output's gradient, its input's and its
+        # weight's; the gather's scatter back to N rows; the norm's
+        phases=((t((s, 2 * i)), t((s, d)), t((b, q, d)),
+                 *([t((e, 2 * i, d))] if up_reads else [])),
+                _norm_backward(lay, b, q, d)),
+        trained_params=f.trained["ffn"],
+        ops=tuple(mm([router, *shared[:2], *gate], [e, *([si, si, 1] if si else [])], d)))
+    # The routed rows' gate and up outputs (one [S, 2I] storage: the SiLU reads a view of
+    # it) and the SiLU's output unless recomputed; freed once their backward has run, before
+    # gate_up's.
+    experts = StatedBlock(
+        "experts", saved=(t((s, 2 * i), category="ffn"),
+                          *([] if recompute else [t((s, i), category="ffn")])),
+        alive=(t((b, q, d)),),
+        # the product's gradient, SiLU(gate) (recomputed or kept) and the two operands'
+        # gradients; then SiLU's gradient beside up's and their [S, 2I] concatenation
+        phases=((t((s, i), count=4 if recompute else 3),), (t((s, i), count=2),
+                                                             t((s, 2 * i)))))
+    ffn_out = StatedBlock(
+        "ffn-out",
+        saved=(*([t((s, i), category="ffn")] if down_reads else []),
+               *([t((e, d, i), category="ffn")] if m.down.adapted else []),
+               t((s, d), category="ffn"),                     # the experts' output rows
+               t((s, 1), "fp32" if m.fp32_weights else "model", category="ffn"),
+               *(_inputs(shared[2:], b, q, si, "ffn") if si else []),
+               *([t((n, 1), category="ffn"), t((n, d), category="ffn")] if si else [])),
+        alive=(t((b, q, d)),),
+        phases=((t((s, d), "fp32" if m.fp32_weights else "model"), t((s, d)), t((s, i)),
+                 *([t((e, d, i))] if down_reads else [])),),
+        trained_params=f.trained["ffn-out"],
+        ops=tuple(mm(shared[2:], [d], si)) if si else (),
+        # the gathered rows (a local of the experts' forward, kept or not), the weighted
+        # rows and their copy back in token order, in the routing weights' dtype
+        forward=(*([] if up_reads else [t((s, d))]),
+                 t((s, d), "fp32" if m.fp32_weights else "model", count=2)))
+    return ffn, experts, ffn_out
+
+
 def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
     """One training segment of `rows` batch rows (module docstring); mem_len is always 0
     (a pretrained backbone keeps no XL cache). The backward phases were read off the
@@ -315,32 +454,36 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
     elif ACTIVATION_SAVES[f.activation] == 1:
         act_grads = 2
     again = [t((b, q, inner))] if recompute else []   # the activation's output, recomputed
-    ffn = StatedBlock(
-        "ffn",
-        saved=(*_norm(lay, b, q, d, f.norm_trains[lay.ffn_norm]),
-               *_inputs(ffn_in, b, q, d, "ffn"),
-               t((b, q, inner), count=acts, category="ffn")),
-        alive=(g,),
-        phases=((t((b, q, inner), count=act_grads),),
-                (gi, g, *_weights(ffn_in, d, inner)),
-                _norm_backward(lay, b, q, d)),
-        trained_params=f.trained["ffn"], ops=tuple(mm(ffn_in, [inner] * len(ffn_in), d)))
-    ffn_out = StatedBlock(
-        "ffn-out",
-        # (non-gated: the projection's input is the activation's output, recomputed)
-        saved=(*_inputs([lin[lay.ffn_out]], b, q, inner, "ffn",
-                        input_counted=recompute and not lay.gated),
-               *_dropout(f.dropout, (b, q, d))),
-        alive=(g,), phases=((gi, *_weights([lin[lay.ffn_out]], inner, d),
-                             *(again if not lay.gated else [])),),
-        trained_params=f.trained["ffn-out"],
-        ops=(*mm([lin[lay.ffn_out]], [d], inner), *_draws(f.dropout, (b, q, d))),
-        # the activation's output while the projection reads it (unless kept as its
-        # input), and the projection's output
-        forward=(*([] if lin[lay.ffn_out].keeps_input and not (recompute and not lay.gated)
-                   else [t((b, q, inner))]),
-                 t((b, q, d))))
-    blocks = (*mem.blocks, attention, attention_out, ffn, ffn_out)
+    if f.moe is not None:
+        ffn_blocks = _moe_blocks(f, lay, b, q, d, recompute, mm)
+    else:
+        ffn = StatedBlock(
+            "ffn",
+            saved=(*_norm(lay, b, q, d, f.norm_trains[lay.ffn_norm]),
+                   *_inputs(ffn_in, b, q, d, "ffn"),
+                   t((b, q, inner), count=acts, category="ffn")),
+            alive=(g,),
+            phases=((t((b, q, inner), count=act_grads),),
+                    (gi, g, *_weights(ffn_in, d, inner)),
+                    _norm_backward(lay, b, q, d)),
+            trained_params=f.trained["ffn"], ops=tuple(mm(ffn_in, [inner] * len(ffn_in), d)))
+        ffn_out = StatedBlock(
+            "ffn-out",
+            # (non-gated: the projection's input is the activation's output, recomputed)
+            saved=(*_inputs([lin[lay.ffn_out]], b, q, inner, "ffn",
+                            input_counted=recompute and not lay.gated),
+                   *_dropout(f.dropout, (b, q, d))),
+            alive=(g,), phases=((gi, *_weights([lin[lay.ffn_out]], inner, d),
+                                 *(again if not lay.gated else [])),),
+            trained_params=f.trained["ffn-out"],
+            ops=(*mm([lin[lay.ffn_out]], [d], inner), *_draws(f.dropout, (b, q, d))),
+            # the activation's output while the projection reads it (unless kept as its
+            # input), and the projection's output
+            forward=(*([] if lin[lay.ffn_out].keeps_input and not (recompute and not lay.gated)
+                       else [t((b, q, inner))]),
+                     t((b, q, d))))
+        ffn_blocks = (ffn, ffn_out)
+    blocks = (*mem.blocks, attention, attention_out, *ffn_blocks)
     if mem.state_read:
         # Through a segment's backward the gradient of its incoming state stays alive
         # (each layer's slice adds into it); the planner walks a window's last segment,
@@ -376,7 +519,10 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
                t((nv, d), category="head"),
                # model.hf.vocab_multiple: the head's weight padded once per segment
                *([t((vocab + pad, d), category="head")] if pad else []),
-               t((nv,), "int64", category="head"), t((b, n), "bool", category="head")),
+               t((nv,), "int64", category="head"), t((b, n), "bool", category="head"),
+               # the load-balancing loss's per-expert fractions of routed rows (router.py)
+               *([t((f.moe.experts,), "fp32", category="head")] if f.moe and f.moe.balance
+                 else [])),
         # one chunk's re-run: its logits, their fp32 log-softmax, its gradient and the
         # logits'; lm_head's backward: its input's gradient and its weight's; the final norm's
         phases=((t((rows, vocab), "fp32", 3), t((rows, vocab), "cast"), t((nv, d)),
