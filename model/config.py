@@ -54,6 +54,10 @@ class PretrainedOptions:
     lora_targets: list[str] = field(default_factory=list)
     # The base model's attention kernel: "sdpa" or "eager" (the reference softmax).
     attn_implementation: str = "sdpa"
+    # RMT's "paper" pattern under SDPA: "split", three maskless attention calls a flash
+    # kernel runs skipping the tokens' causal upper triangle (model/pretrained/
+    # paper_attention.py); "mask", one call with the pattern's boolean mask, every tile.
+    paper_attention: str = "mask"
     # A checkpoint whose activation is `gelu_new` (GPT-2's family: transformers' Python
     # tanh GELU, one aten op at a time) runs it as `gelu_pytorch_tanh`, the same
     # approximation in one fused kernel (model/pretrained/activations.py); false keeps the
@@ -305,6 +309,9 @@ class ModelConfig:
         if o.vocab_multiple < 0:
             raise ConfigError("model.hf.vocab_multiple", f"must be >= 0 (0: off), got "
                               f"{o.vocab_multiple}")
+        if o.paper_attention not in ("split", "mask"):
+            raise ConfigError("model.hf.paper_attention", f"unknown {o.paper_attention!r}; "
+                              "choose 'split' or 'mask'")
         if o.attn_implementation not in ("sdpa", "eager"):
             raise ConfigError("model.hf.attn_implementation", f"unknown "
                               f"{o.attn_implementation!r}; choose 'sdpa' or 'eager'")

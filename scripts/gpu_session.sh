@@ -17,7 +17,8 @@
 # memtrain's own training step beside the plain-torch step (below; BENCHMARKS.md, "On a GPU
 # at realistic shapes"). With LOSS=1 only the loss step at GPT-2's head, plain against
 # chunked, and the head GEMM at V 50,257 against 50,304 (below; BENCHMARKS.md, "The LM loss
-# without the logits tensor").
+# without the logits tensor"). With PAPER=1 only RMT's "paper" attention, masked against
+# split (below).
 # Steps 2 and 3 run side by side (16 host cores are enough; their timings are not reported).
 #
 #   bash scripts/gpu_session.sh [OUT_DIR]        # PY=python to use (default .venv/bin/python)
@@ -96,6 +97,17 @@ fi
 if [ "${LOSS:-0}" = 1 ]; then
   exec timeout "${BUDGET:-300}" "$PY" benchmarks/bench_loss.py --gemm \
     ${LOSS_ARGS:---device cuda --dtype bf16 --rows 32768} --json "$OUT/loss.json"
+fi
+
+# PAPER=1: only benchmarks/bench_paper_attention.py at GPT-2's attention shape in bf16 (12
+# heads of 64, segments of 1,024 with 16 memory tokens, batch 32): RMT's "paper" pattern as
+# one masked SDPA call against the split into three maskless calls (forward + backward,
+# median of 10 rounds), and the tiles each visits; docs/pretrained.md, "The paper pattern
+# without its masked tiles". PAPER_ARGS replaces the shape flags ("--seg 64 --heads 2"
+# rehearses it on the CPU).
+if [ "${PAPER:-0}" = 1 ]; then
+  exec timeout "${BUDGET:-300}" "$PY" benchmarks/bench_paper_attention.py --rounds 10 \
+    ${PAPER_ARGS:---device cuda --dtype bf16 --batch 32} --json "$OUT/paper_attention.json"
 fi
 
 # FUSED=1: only benchmarks/bench_pretrained_fused.py at GPT-2-small's shape (12 layers, d

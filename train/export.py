@@ -84,7 +84,8 @@ def fp32_state_dict(info: CheckpointInfo) -> dict[str, torch.Tensor]:
 # Model fields that only change how the weights are run (evaluation lengths, speed knobs,
 # regularisation): a checkpoint may be loaded under other values. All others shape the model.
 RUNTIME_FIELDS = ("tgt_len", "mem_len", "clamp_len", "same_length", "dropout", "dropatt",
-                  "attn_impl", "checkpoint_layers", "compile", "compile_backend")
+                  "attn_impl", "checkpoint_layers", "compile", "compile_backend",
+                  "paper_attention")
 
 
 def _differences(saved: dict, wanted: dict, prefix: str = "model") -> list[tuple]:

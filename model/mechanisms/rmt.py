@@ -16,7 +16,6 @@ positions): the plain base model, the baseline without memory.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -153,11 +152,8 @@ class RMT(Mechanism):
         return initial_memory(batch_size, self.num_mem_tokens(lm.cfg), lm.cfg.d_model, device)
 
     def pretrained_decode(self, lm, emb, state):
-        from ..pretrained.positions import (
-            causal_attention,
-            memory_attention_mask,
-            memory_position_ids,
-        )
+        from ..pretrained.paper_attention import paper_attention, splits
+        from ..pretrained.positions import causal_attention, memory_position_ids
         from ..rmt import memory_inputs, write_rows
         bsz, n_tok, _ = emb.shape
         m, base = self.num_mem_tokens(lm.cfg), lm.base
@@ -168,10 +164,12 @@ class RMT(Mechanism):
         x = torch.cat([mem_in, emb, mem_in], dim=1)
         pattern = lm.cfg.rmt.pattern
         positions = memory_position_ids(m, n_tok, lm.cfg.tgt_len, emb.device, pattern)
-        mask = memory_attention_mask(m, n_tok, emb.dtype, base.config._attn_implementation,
-                                     emb.device, pattern)
-        # "causal": the base model's own mask, built with no host read (positions.py).
-        with (nullcontext(mask) if mask is not None else
+        # "paper": its mask, or three maskless calls that skip the masked tiles
+        # (paper_attention.py); "causal": the base model's own mask, built with no host
+        # read (positions.py).
+        split = splits(base, lm.cfg.hf.paper_attention, lm.cfg.checkpoint_layers)
+        with (paper_attention(base, m, n_tok, emb.dtype, emb.device, split)
+              if pattern == "paper" else
               causal_attention(base, x.shape[1], x.dtype, x.device)) as mask:
             h = base.base_model(inputs_embeds=x, attention_mask=mask,
                                 position_ids=positions.expand(bsz, -1), use_cache=False)[0]
