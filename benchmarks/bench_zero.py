@@ -143,7 +143,8 @@ def _free(engine) -> None:
 def worker(a) -> None:
     import train.bptt  # noqa: F401  (imported before the memory baseline is read)
     import train.engine  # noqa: F401
-    from train.distributed import barrier, init_process_group, resolve_env
+    from train.distributed import resolve_env
+    from train.process_group import barrier, init_process_group
 
     env = resolve_env()
     init_process_group(env)

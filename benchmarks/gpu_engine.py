@@ -190,7 +190,8 @@ def model_flops(cfg, a, n: int) -> float:
 
 
 def run(o) -> dict:
-    from train.distributed import init_process_group, resolve_env
+    from train.distributed import resolve_env
+    from train.process_group import init_process_group
     from train.throughput import matmul_dtype, peak_flops
     device = torch.device(o.device)
     if not torch.distributed.is_initialized():

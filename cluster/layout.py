@@ -8,7 +8,7 @@ the fix named:
                   trainer's start check (`train.trainer.check_run`) and the DeepSpeed config
                   (`train.engine.build_ds_config`) call, so submit and start cannot disagree.
     GPUs/tasks    one rank per GPU: more tasks than GPUs per node would put two ranks on a GPU
-                  (train/distributed.py refuses that at start), fewer leave GPUs idle.
+                  (train/gpu_binding.py refuses that at start), fewer leave GPUs idle.
     precision     bf16 needs compute capability 8.0 (Ampere) or newer; a V100 (7.0) trains in
                   fp16 with loss scaling, a CPU job in fp32 (check_run refuses the rest).
 

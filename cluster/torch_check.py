@@ -1,7 +1,7 @@
 """Does the torch the nodes will run have kernels for the job's GPUs? Checked at submit time.
 
 `scripts/setup.sh` installs the CPU build of torch unless TORCH_SPEC names another wheel; a
-GPU job on that venv would fail at start (train/distributed.py refuses to fall back to the
+GPU job on that venv would fail at start (train/gpu_binding.py refuses to fall back to the
 CPU), and a CUDA wheel without the GPU generation's kernels fails at the first CUDA op ("no
 kernel image is available"). `memtrain submit` asks the job's python (--python, the venv the
 nodes share) which torch it has: its CUDA version and the architectures it was built for,

@@ -25,9 +25,10 @@ from memtrain.command_line import CommandParser, error_line, invalid_config
 from model import ConfigError
 from model.weights_file import WeightsError
 from train.config import RunConfig
-from train.distributed import device_for, resolve_env
+from train.distributed import resolve_env
 from train.evaluate import evaluate, headline, protocol_for
 from train.export import load_weights_once
+from train.gpu_binding import device_for
 from train.master_weights import checkpoint_weights
 from train.run_access import load_run_config, log_to_run, pick_checkpoint
 from train.run_dir import RunDir, atomic_write_json

@@ -55,7 +55,7 @@ fi
 # DeepSpeed JIT-compiles its shared-memory communication op on first use (~30 s);
 # keep the build in the checkout so every later process reuses it.
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_ext}
-# Built by the environment's own ninja, the one training uses (train/distributed.py,
+# Built by the environment's own ninja, the one training uses (train/deepspeed_setup.py,
 # use_environments_ninja): another ninja's build would be rebuilt by the first run.
 if [ ! -d "$TORCH_EXTENSIONS_DIR/deepspeed_shm_comm" ]; then
     PATH="$PWD/.venv/bin:$PATH" .venv/bin/python -c "from deepspeed.accelerator import get_accelerator as g; \

@@ -17,8 +17,9 @@ from data_pipeline.streams import SegmentBatch
 from model import ModelConfig, build_model
 from train.bptt import run_window
 from train.config import load_config
-from train.distributed import init_process_group, resolve_env
+from train.distributed import resolve_env
 from train.engine import build_ds_config, initialize
+from train.process_group import init_process_group
 
 stage = int(sys.argv[1])
 env = resolve_env()

@@ -11,7 +11,7 @@ import torch
 
 from cluster import torch_check
 from cluster.submit import main_submit
-from train import distributed
+from train import distributed, gpu_binding, process_group
 from train.config import ConfigError
 
 CU126 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
@@ -89,7 +89,7 @@ def no_cuda(monkeypatch):
                  "CUDA_VISIBLE_DEVICES", "MEMTRAIN_ALLOW_CPU"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(distributed, "node_has_nvidia_gpus", lambda: True)  # a GPU node
+    monkeypatch.setattr(gpu_binding, "node_has_nvidia_gpus", lambda: True)  # a GPU node
     calls = []
     import deepspeed
     monkeypatch.setattr(deepspeed, "init_distributed", lambda **kw: calls.append(kw))
@@ -104,23 +104,23 @@ def test_gpus_allocated_without_cuda_fail_at_start_instead_of_training_on_the_cp
     monkeypatch.setenv(name, value)
     env = distributed.DistEnv(0, 1, 0, "127.0.0.1", 12345, "single")
     with pytest.raises(ConfigError) as err:
-        distributed.init_process_group(env)
+        process_group.init_process_group(env)
     assert no_cuda == []                        # no gloo process group was made
     assert f"{name}={value}" in str(err.value) and "TORCH_SPEC" in str(err.value)
     with pytest.raises(ConfigError):
-        distributed.device_for(0)
+        gpu_binding.device_for(0)
 
 
 def test_cuda_visible_devices_on_a_node_without_nvidia_devices_is_not_a_gpu_allocation(
         monkeypatch, no_cuda):
     """The deepspeed launcher sets CUDA_VISIBLE_DEVICES=0,1 on any machine, a CPU one too."""
-    monkeypatch.setattr(distributed, "node_has_nvidia_gpus", lambda: False)
+    monkeypatch.setattr(gpu_binding, "node_has_nvidia_gpus", lambda: False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    assert distributed.allocated_gpus() is None
-    distributed.init_process_group(distributed.DistEnv(0, 1, 0, "127.0.0.1", 1, "single"))
+    assert gpu_binding.allocated_gpus() is None
+    process_group.init_process_group(distributed.DistEnv(0, 1, 0, "127.0.0.1", 1, "single"))
     assert no_cuda[0]["dist_backend"] == "gloo"
     monkeypatch.setenv("SLURM_JOB_GPUS", "0,1")    # SLURM's word counts on any node
-    assert distributed.allocated_gpus() == "SLURM_JOB_GPUS=0,1"
+    assert gpu_binding.allocated_gpus() == "SLURM_JOB_GPUS=0,1"
 
 
 @pytest.mark.parametrize("env", [
@@ -129,6 +129,6 @@ def test_cuda_visible_devices_on_a_node_without_nvidia_devices_is_not_a_gpu_allo
 def test_no_gpus_or_an_explicit_cpu_choice_still_run_on_the_cpu(monkeypatch, no_cuda, env):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert distributed.device_for(0) == torch.device("cpu")
-    distributed.init_process_group(distributed.DistEnv(0, 1, 0, "127.0.0.1", 1, "single"))
+    assert gpu_binding.device_for(0) == torch.device("cpu")
+    process_group.init_process_group(distributed.DistEnv(0, 1, 0, "127.0.0.1", 1, "single"))
     assert no_cuda[0]["dist_backend"] == "gloo"

@@ -19,7 +19,7 @@ from train_helpers import free_port, tiny_config
 
 from model import build_model
 from train import checkpoint as ckpt
-from train import distributed
+from train import distributed, gpu_binding, process_group
 from train.config import ConfigError, load_config
 from train.engine import build_ds_config, initialize
 
@@ -73,21 +73,21 @@ class FakeCuda:
 def test_one_gpu_per_task_takes_the_single_visible_gpu(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")      # --gpus-per-task=1, local rank 5
     cuda = FakeCuda(1).install(monkeypatch)
-    assert distributed.device_for(5) == torch.device("cuda", 0)
+    assert gpu_binding.device_for(5) == torch.device("cuda", 0)
     assert cuda.current == 0
 
 
 def test_a_whole_visible_node_gives_each_local_rank_its_own_gpu(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
     cuda = FakeCuda(8).install(monkeypatch)
-    assert distributed.device_for(5) == torch.device("cuda", 5) and cuda.current == 5
+    assert gpu_binding.device_for(5) == torch.device("cuda", 5) and cuda.current == 5
 
 
 def test_a_local_rank_beyond_the_visible_gpus_is_refused_with_the_fix(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     FakeCuda(2).install(monkeypatch)
     with pytest.raises(ConfigError) as err:
-        distributed.device_for(3)
+        gpu_binding.device_for(3)
     assert "would share cuda:1 with local rank 1" in str(err.value)
     assert "--gpus-per-task=1" in str(err.value)
 
@@ -107,11 +107,11 @@ def test_two_ranks_on_one_physical_gpu_are_refused(monkeypatch):
     FakeCuda(1, ["GPU-aaaa"]).install(monkeypatch)
     _fake_world(monkeypatch, [("n1", "GPU-aaaa"), ("n1", "GPU-aaaa"), ("n2", "GPU-aaaa")])
     with pytest.raises(ConfigError) as err:
-        distributed.device_for(1)
+        gpu_binding.device_for(1)
     assert "ranks [0, 1] all use GPU GPU-aaaa on n1" in str(err.value)
     # Bound one per task, the GPUs differ: nothing to refuse (same UUID on another host too).
     _fake_world(monkeypatch, [("n1", "GPU-aaaa"), ("n1", "GPU-bbbb"), ("n2", "GPU-aaaa")])
-    assert distributed.device_for(1) == torch.device("cuda", 0)
+    assert gpu_binding.device_for(1) == torch.device("cuda", 0)
 
 
 def test_only_the_current_devices_cuda_rng_is_saved_and_restored(monkeypatch):
@@ -210,7 +210,7 @@ def test_deepspeed_binds_the_process_group_to_the_single_visible_gpu(monkeypatch
     monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     with pytest.raises(_Stop):
-        distributed.init_process_group(env)
+        process_group.init_process_group(env)
     assert seen == {"backend": "nccl", "device_id": torch.device("cuda", 0)}
     assert accel.indices == [0] and cuda.current == 0
 
@@ -223,8 +223,8 @@ def test_deepspeed_engine_and_zero3_use_the_single_visible_gpu(monkeypatch, tmp_
     # No NCCL here: a gloo group of one, which deepspeed.init_distributed then adopts.
     torch.distributed.init_process_group("gloo", init_method="env://", rank=0, world_size=1)
     try:
-        distributed.init_process_group(env)
-        assert distributed.device_for(env.local_rank) == torch.device("cuda", 0)
+        process_group.init_process_group(env)
+        assert gpu_binding.device_for(env.local_rank) == torch.device("cuda", 0)
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # tensors: CPU
         engine, _ = initialize(build_model(cfg.model), cfg, build_ds_config(cfg, 1))
     finally:
@@ -242,7 +242,7 @@ def test_older_checkpoints_rng_follows_the_launchers_local_rank_after_binding(mo
     """bind_gpu rewrites LOCAL_RANK for DeepSpeed; a checkpoint holding every visible GPU's
     RNG (earlier versions) still resumes the state of the GPU the rank drew on."""
     env, _, _ = _one_gpu_per_task(monkeypatch, world_size=1)
-    assert distributed.bind_gpu(env) == 0
+    assert gpu_binding.bind_gpu(env) == 0
     legacy = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
               "python": random.getstate(),
               "cuda": [torch.full((16,), 10 + i, dtype=torch.uint8) for i in range(8)]}

@@ -8,13 +8,8 @@ import time
 import pytest
 from train_helpers import ROOT
 
-from train.distributed import (
-    STALE_LOCK_S,
-    clear_stale_build_locks,
-    first_slurm_host,
-    resolve_env,
-    use_environments_ninja,
-)
+from train.deepspeed_setup import STALE_LOCK_S, clear_stale_build_locks, use_environments_ninja
+from train.distributed import first_slurm_host, resolve_env
 
 
 def test_torchrun_and_deepspeed_variables_are_taken_as_they_are():
@@ -58,7 +53,7 @@ def test_deepspeed_imported_by_a_rank_leaves_mlflow_unimported_and_still_importa
     # the rank that tracks imports MLflow afterwards as usual. A fresh process: this one
     # has imported both.
     code = ("import sys\n"
-            "from train.distributed import import_deepspeed\n"
+            "from train.deepspeed_setup import import_deepspeed\n"
             "import_deepspeed()\n"
             "import deepspeed.autotuning.autotuner as tuner\n"
             "print('mlflow' in sys.modules, tuner.has_mlflow)\n"

@@ -6,7 +6,7 @@ import pytest
 import torch
 from train_helpers import tiny_config
 
-from train import distributed, trainer
+from train import process_group, trainer
 from train.config import load_config
 
 
@@ -54,8 +54,8 @@ def test_two_ranks_share_the_initial_weights_but_not_the_dropout_masks(tmp_path,
 
 
 def test_rank_seeds_are_distinct_and_not_a_shift_of_the_run_seed():
-    seeds = {(s, r): distributed.rank_seed(s, r) for s in range(4) for r in range(64)}
+    seeds = {(s, r): process_group.rank_seed(s, r) for s in range(4) for r in range(64)}
     assert len(set(seeds.values())) == len(seeds)
-    assert distributed.rank_seed(1, 0) != distributed.rank_seed(0, 1)
+    assert process_group.rank_seed(1, 0) != process_group.rank_seed(0, 1)
     assert all(0 <= v < 2**63 for v in seeds.values())
-    assert distributed.rank_seed(3, 5) == distributed.rank_seed(3, 5)
+    assert process_group.rank_seed(3, 5) == process_group.rank_seed(3, 5)

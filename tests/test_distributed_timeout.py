@@ -11,7 +11,7 @@ import torch
 import yaml
 from train_helpers import tiny_config
 
-from train import distributed, trainer
+from train import distributed, process_group, trainer
 from train.config import ConfigError, load_config
 
 
@@ -27,8 +27,8 @@ def init_calls(monkeypatch):
 
 def test_init_process_group_passes_the_timeout_to_deepspeed(init_calls):
     env = distributed.DistEnv(0, 1, 0, "127.0.0.1", 12345, "single")
-    distributed.init_process_group(env, timeout_minutes=90)
-    distributed.init_process_group(env)
+    process_group.init_process_group(env, timeout_minutes=90)
+    process_group.init_process_group(env)
     assert [c["timeout"] for c in init_calls] == [timedelta(minutes=90), timedelta(minutes=60)]
 
 

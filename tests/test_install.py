@@ -74,7 +74,7 @@ def installed(built, tmp_path_factory):
     python = venv / "bin" / "python"
     # The environment's own ninja, as `pip install memtrain` puts DeepSpeed's dependency
     # there (--no-deps leaves it out): the copied op build is reused, not built again by
-    # another ninja (train/distributed.py, use_environments_ninja).
+    # another ninja (train/deepspeed_setup.py, use_environments_ninja).
     (venv / "bin" / "ninja").symlink_to(Path(sys.executable).parent / "ninja")
     subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install",
                     "--no-deps", "--no-index", "--quiet", str(built[0])], check=True,

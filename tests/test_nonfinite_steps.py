@@ -189,7 +189,7 @@ def one_rank_group():
     import torch.distributed as dist
     from train_helpers import child_env, free_port
 
-    from train.distributed import use_environments_ninja
+    from train.deepspeed_setup import use_environments_ninja
 
     saved = dict(os.environ)
     # The launches' op folder (the checkout's prebuilt one) and ninja, as every run uses:

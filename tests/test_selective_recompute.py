@@ -292,8 +292,9 @@ def test_a_valid_recompute_setting_loads():
 def _engine_losses(stage: int) -> dict:
     """3 optimizer steps of RMT windows (k=2, dropout 0.1) through a 1-rank DeepSpeed engine
     at ZeRO `stage`, per variant, each from the same initial weights and RNG state."""
-    from train.distributed import init_process_group, resolve_env
+    from train.distributed import resolve_env
     from train.engine import build_ds_config, initialize
+    from train.process_group import init_process_group
 
     env = resolve_env()
     init_process_group(env)

@@ -11,7 +11,9 @@ Reading order, following one run (`memtrain train` -> cli.py):
     bptt.py         one micro-step's BPTT window: segments, memory threading, one backward
     engine.py       DeepSpeed: ds_config, optimizer groups, LR schedule
 Around the loop:
-    distributed.py  rank / world / device from whichever launcher started us
+    distributed.py  rank / world / master from whichever launcher started us;
+                    gpu_binding.py, the rank's GPU; deepspeed_setup.py, importing
+                    DeepSpeed and its ops; process_group.py, the collectives
     checkpoint.py, resume.py, export.py   save, load (also on another world size), safetensors
     run_dir.py      every file a run directory keeps; tracking.py, loss_curve.py, progress.py
     evaluate.py     scoring under a stated protocol (valid during training, the final report)

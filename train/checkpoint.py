@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .distributed import barrier
+from .process_group import barrier
 from .run_dir import AtomicFile, atomic_write_json, atomic_write_text
 
 MARKER = "COMPLETE"
@@ -85,7 +85,7 @@ def set_rng_state(state: dict) -> None:
     if isinstance(cuda, (list, tuple)):
         # Saved by earlier versions: one state per GPU the node showed, of which the rank
         # drew on cuda:LOCAL_RANK. Take that one whatever this node shows: the launcher's
-        # local rank, which distributed.bind_gpu keeps when it rewrites LOCAL_RANK.
+        # local rank, which gpu_binding.bind_gpu keeps when it rewrites LOCAL_RANK.
         local = int(os.environ.get("MEMTRAIN_LOCAL_RANK")
                     or os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
         if local >= len(cuda):

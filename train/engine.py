@@ -20,7 +20,7 @@ from data_pipeline.streams import rows_of_rank
 from model.compiled import compile_core
 
 from .config import RunConfig, resolve_path
-from .distributed import import_deepspeed
+from .deepspeed_setup import import_deepspeed
 from .precision import precision_sections
 
 

@@ -23,7 +23,7 @@ from model import bits_per_token
 from model.backbones import check_segment_positions
 
 from .config import EvalConfig, RunConfig
-from .distributed import all_reduce_sum
+from .process_group import all_reduce_sum
 from .regime import regime_of
 
 # Character-level vocabularies report bits per character, word-level ones perplexity.

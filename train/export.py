@@ -26,7 +26,7 @@ from model import ConfigError, ModelConfig, backbone_of, build_model, save_model
 from model.weights_file import torch_load
 
 from .checkpoint import CheckpointInfo
-from .distributed import import_deepspeed
+from .deepspeed_setup import import_deepspeed
 
 
 def _load(path: Path) -> dict:

@@ -26,7 +26,7 @@ import torch
 
 from model import ModelConfig, backbone_of, build_model
 
-from .distributed import import_deepspeed
+from .deepspeed_setup import import_deepspeed
 
 MASTER = "fp32 (master copy)"
 

@@ -30,7 +30,7 @@ import sys
 import torch
 
 from .config import ConfigError, DeepSpeedSection
-from .distributed import import_deepspeed
+from .deepspeed_setup import import_deepspeed
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 AMPERE = (8, 0)   # bf16 tensor cores and TF32 (NVIDIA A100 whitepaper, "TF32")

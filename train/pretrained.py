@@ -30,7 +30,7 @@ from model import ModelConfig, backbone_of, build_model
 from model.pretrained.loading import load_base
 from model.segment_lm import SegmentLM
 
-from .distributed import import_deepspeed
+from .deepspeed_setup import import_deepspeed
 from .engine import zero_stage
 
 

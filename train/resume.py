@@ -10,7 +10,7 @@ from model import MemoryState
 
 from . import checkpoint as ckpt
 from .bptt import TrainState
-from .distributed import barrier
+from .process_group import barrier
 
 
 def restore(info, engine, state: TrainState, stream, env, device) -> None:

@@ -21,19 +21,15 @@ from model.io import load_initial
 from . import checkpoint as ckpt
 from .bptt import TrainState, WindowPlan
 from .config import RunConfig, dump_yaml
-from .distributed import (
-    barrier,
-    device_for,
-    init_process_group,
-    rank_seed,
-    resolve_env,
-)
+from .distributed import resolve_env
 from .engine import build_ds_config, initialize, zero_stage
 from .evaluate import protocol_for
+from .gpu_binding import device_for
 from .loop import LoopParts, NonFiniteLoss, TrainingLoop
 from .master_weights import gathers_masters, scored_weights
 from .precision import check_precision, configure_matmul
 from .pretrained import build_for_engine
+from .process_group import barrier, init_process_group, rank_seed
 from .regime import DataRegime, regime_of
 from .resume import restore
 from .run_dir import RUNNING, RunDir, atomic_write_json, atomic_write_text
