@@ -275,8 +275,9 @@ def validate(cfg: RunConfig) -> RunConfig:
         try:
             model_file_metadata(Path(cfg.init_from).expanduser())
         except WeightsError as err:
-            raise ConfigError("init_from", f"{err} (init_from takes a model file `memtrain "
-                              "export` or `memtrain import` wrote)") from None
+            what = ("" if "memtrain import" in str(err) else " (init_from takes a model "
+                    "file `memtrain export` or `memtrain import` wrote)")
+            raise ConfigError("init_from", f"{err}{what}") from None
 
     d = cfg.data
     _check(bool(d.path), "data.path", "is required (a folder with manifest.json)")
