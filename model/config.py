@@ -57,7 +57,7 @@ class PretrainedOptions:
     # RMT's "paper" pattern under SDPA: "split", three maskless attention calls a flash
     # kernel runs skipping the tokens' causal upper triangle (model/pretrained/
     # paper_attention.py); "mask", one call with the pattern's boolean mask, every tile.
-    paper_attention: str = "mask"
+    paper_attention: str = "split"
     # A checkpoint whose activation is `gelu_new` (GPT-2's family: transformers' Python
     # tanh GELU, one aten op at a time) runs it as `gelu_pytorch_tanh`, the same
     # approximation in one fused kernel (model/pretrained/activations.py); false keeps the

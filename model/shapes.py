@@ -93,6 +93,9 @@ class SdpaShape:
     keys: int
     heads: int                  # query heads (keys and values repeated to as many)
     head_dim: int
+    # False: a call with no mask (the causal flag or none), so nothing of a mask is kept;
+    # RMT's "paper" pattern split into maskless calls (model/pretrained/paper_attention.py).
+    masked: bool = True
 
 
 @dataclass(frozen=True)
@@ -168,6 +171,10 @@ class MemoryRows:
     blocks: tuple[StatedBlock, ...] = ()        # its stated blocks before a layer's own
     embedding_saved: tuple[TensorShape, ...] = ()   # what its input side keeps
     saved_label: str = ""
+    # The attention calls of one layer where the mechanism runs its own (each a
+    # maskless call on grouped keys; their outputs concatenated into the rows the output
+    # projection reads); empty: one SDPA call over all rows.
+    sdpa_calls: tuple[SdpaShape, ...] = ()
 
 
 def xl_cache(cfg, rows: int, mem_len: int) -> tuple[tuple[TensorShape, ...], str]:

@@ -261,16 +261,20 @@ def _sdpa(blk: Block, dm: Dims, a: SdpaShape) -> float:
     nothing), an fp32 log-sum-exp [B, H, Q padded to 32] and the mask converted to a bias
     in the model dtype, K padded to 16 (head dims not a multiple of 8: padded q, k, v
     copies). On the CPU the flash kernel for CPU: output, fp32 log-sum-exp [B, H, Q], the
-    mask in the model dtype."""
+    mask in the model dtype. A call without a mask (`a.masked` false) keeps no mask, and on
+    a GPU runs the flash kernel: its log-sum-exp is [B, H, Q]."""
     b, s, h, dh, q, k = dm.rows, dm.s, a.heads, a.head_dim, a.queries, a.keys
     blk.add("qkv", b * q * h * dh * s)                                   # output
     if dm.kernel == "cuda":
         pad = sdpa_head_pad(dh, "cuda")
         if pad:
             blk.add("qkv", b * h * (q + 2 * k) * (dh + pad) * s)
-        blk.add("scores", b * h * (-(-q // 32) * 32) * 4 + q * (-(-k // 16) * 16) * s)
+        if a.masked:
+            blk.add("scores", b * h * (-(-q // 32) * 32) * 4 + q * (-(-k // 16) * 16) * s)
+        else:
+            blk.add("scores", b * h * q * 4)
     else:
-        blk.add("scores", b * h * q * 4 + q * k * s)
+        blk.add("scores", b * h * q * 4 + (q * k * s if a.masked else 0))
     return b * h * (2 * q + 2 * k) * dh * s
 
 

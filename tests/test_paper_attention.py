@@ -7,8 +7,9 @@
   gradients, and runs as three maskless calls per layer where the mask path runs one
   masked call; under `checkpoint_layers` and the eager kernel the mask path runs;
 - a mode other than "split" or "mask" is refused naming the field.
-(The mask path against the reference built cell by cell from the definition, through the
-whole model: tests/test_rmt_paper_pattern.py.)"""
+(The default, the split, against the reference built cell by cell from the definition,
+through the whole model: tests/test_rmt_paper_pattern.py; each planned as it runs:
+tests/test_pretrained_plan.py.)"""
 
 import sys
 

@@ -40,8 +40,8 @@ def checkpoints(tmp_path_factory):
 
 
 def _cfg(checkpoints, arch: str, finetune: str, m: int = 4, tgt_len: int = 8,
-         pattern: str = "paper") -> ModelConfig:
-    section = hf_model_section(checkpoints[arch], m, tgt_len, finetune=finetune)
+         pattern: str = "paper", **hf) -> ModelConfig:
+    section = hf_model_section(checkpoints[arch], m, tgt_len, finetune=finetune, **hf)
     section["rmt"]["pattern"] = pattern
     return resolve_shape(ModelConfig.from_dict(section))
 
@@ -72,6 +72,22 @@ def test_the_causal_pattern_is_planned_without_a_mask_and_grouped_keys(checkpoin
     want = predict_window(cfg, 3, 1, False)
     assert want["saved"] == pytest.approx(got["saved"], rel=0.01)
     assert want["peak"] == pytest.approx(got["peak"], rel=0.03)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_the_paper_pattern_is_planned_as_it_runs_split_or_masked(checkpoints, arch):
+    """`model.hf.paper_attention`: "split" (the default; model/pretrained/
+    paper_attention.py) runs three maskless calls on grouped keys and concatenates their
+    outputs (o_proj keeps that copy); "mask" one masked call on keys repeated per head. Each
+    is planned as it runs (saved tensors within 0.1%, peak 3%), and the two plans differ."""
+    wanted = {}
+    for mode in ("split", "mask"):
+        cfg = _cfg(checkpoints, arch, "full", paper_attention=mode)
+        got = measure(cfg, 3, 1, False)
+        wanted[mode] = predict_window(cfg, 3, 1, False)
+        assert wanted[mode]["saved"] == pytest.approx(got["saved"], rel=0.001)
+        assert wanted[mode]["peak"] == pytest.approx(got["peak"], rel=0.03)
+    assert wanted["split"]["saved"] != wanted["mask"]["saved"]
 
 
 EXPERTS = ["q_proj", "experts.gate_up_proj", "experts.down_proj"]   # LoRA on the experts

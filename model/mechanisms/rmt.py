@@ -192,11 +192,20 @@ class RMT(Mechanism):
         return CachedSegment(lm, state, offset=m, read_block=read_block if m else None)
 
     def pretrained_rows(self, cfg, rows, trained_params):
-        from ..shapes import MemoryRows, TensorShape
+        from ..shapes import MemoryRows, SdpaShape, TensorShape
         m, n, d = cfg.rmt.num_mem_tokens, cfg.tgt_len, cfg.d_model
         q = 2 * m + n
+        # The "paper" pattern's split (pretrained/paper_attention.py `splits`: the checkpoint's
+        # own attention functions, a planned architecture's): the tokens' causal call over
+        # [read; tokens], the read rows over the read block, the write rows over all.
+        split = (cfg.rmt.pattern == "paper" and m > 0 and cfg.hf.paper_attention == "split"
+                 and cfg.hf.attn_implementation == "sdpa" and not cfg.checkpoint_layers)
+        h, dh = cfg.n_head, cfg.d_head
+        calls = (SdpaShape(m + n, m + n, h, dh, masked=False),
+                 SdpaShape(m, m, h, dh, masked=False),
+                 SdpaShape(m, q, h, dh, masked=False)) if split else ()
         return MemoryRows(
-            rows=q, own_mask=cfg.rmt.pattern == "causal", input_rows=q,
+            rows=q, own_mask=cfg.rmt.pattern == "causal", input_rows=q, sdpa_calls=calls,
             state=(TensorShape((rows, m, d)),), state_text=f"RMT memory [{rows}, {m}, {d}]",
             # where(fresh, init, memory)
             embedding_saved=(TensorShape((rows, 1, 1), "bool"),) if m else (),

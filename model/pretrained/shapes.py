@@ -334,9 +334,9 @@ def _matmuls(linears: list[Linear], widths: list[int], rows: int, q: int, fan_in
 
 def _moe_blocks(f: Base, lay: Layout, b: int, q: int, d: int, recompute: bool, mm
                 ) -> tuple[StatedBlock, ...]:
-    """The "ffn", "experts" and "ffn-out" blocks of a mixture-of-experts layer (module docstring) over
-    N = B·Q rows, S = k·N routed rows, as the `grouped_mm` experts implementation runs
-    them."""
+    """The "ffn", "experts" and "ffn-out" blocks of a mixture-of-experts layer (module
+    docstring) over N = B·Q rows, S = k·N routed rows, as the `grouped_mm` experts
+    implementation runs them."""
     m, t, lin, ex = f.moe, TensorShape, f.linears, lay.moe
     n, k, e, i, si = b * q, f.moe.top_k, f.moe.experts, f.moe.size, f.moe.shared_size
     s = k * n
@@ -412,7 +412,8 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
     b, n = rows, cfg.tgt_len
     # The mechanism's rows: RMT's [read | tokens | write], ARMT's [tokens | memory], ...
     mem = cfg.mech.pretrained_rows(cfg, b, f.trained["associative"])
-    q, no_mask = mem.rows, mem.own_mask      # no mask: the base model's own causal one
+    # No mask: the base model's own causal one, or the mechanism's own maskless calls.
+    q, no_mask = mem.rows, mem.own_mask or bool(mem.sdpa_calls)
     d, h, dh, inner = cfg.d_model, cfg.n_head, cfg.d_head, cfg.d_inner
     vocab, lin, t = cfg.vocab_size, f.linears, TensorShape
     g, gi = t((b, q, d)), t((b, q, inner))      # a gradient of the residual stream / the FFN
@@ -432,11 +433,14 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
         phases=((t((b, q, 3 * h * dh)), g, *_weights(qkv, d, h * dh)),   # the projections
                 _norm_backward(lay, b, q, d)),
         trained_params=f.trained["attention"],
-        attention=(SdpaShape(q, q, h, dh),), ops=tuple(mm(qkv, qkv_widths, d)))
-    # o_proj reads SDPA's output (counted with the call): only an adapter adds to it.
+        attention=mem.sdpa_calls or (SdpaShape(q, q, h, dh),),
+        ops=tuple(mm(qkv, qkv_widths, d)))
+    # o_proj reads SDPA's output (counted with the call): only an adapter adds to it. The
+    # mechanism's own calls concatenate their outputs: o_proj keeps that copy.
     attention_out = StatedBlock(
         "attention-out",
-        saved=(*_inputs([lin[lay.out]], b, q, h * dh, "qkv", input_counted=True),
+        saved=(*_inputs([lin[lay.out]], b, q, h * dh, "qkv",
+                        input_counted=not mem.sdpa_calls),
                *_dropout(f.dropout, (b, q, d))),
         alive=(g,), phases=((g, g, *_weights([lin[lay.out]], h * dh, d)),),
         trained_params=f.trained["attention-out"],
