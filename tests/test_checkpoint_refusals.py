@@ -310,3 +310,18 @@ def test_a_safetensors_header_starting_with_0x80_is_not_taken_for_a_pickle(tmp_p
     torch.save({"a": torch.zeros(1)}, tmp_path / "legacy.pt",
                _use_new_zipfile_serialization=False)
     assert is_torch_file(tmp_path / "t.pt") and is_torch_file(tmp_path / "legacy.pt")
+
+
+def test_a_torn_deepspeed_checkpoint_file_is_a_weights_error_naming_it(files):
+    # `memtrain export --run-dir` and `memtrain eval` read a run's checkpoint files through
+    # train/export.py: a file cut short or overwritten is named, not torch.load's traceback.
+    from train.export import _load
+    for name in ("text.pt", "five.pt"):
+        with pytest.raises(WeightsError, match=f"{files / name} is not a PyTorch checkpoint"):
+            _load(files / name)
+    whole = files / "cut.pt"
+    torch.save({"module": {"w": torch.zeros(64)}}, whole)
+    whole.write_bytes(whole.read_bytes()[:200])
+    with pytest.raises(WeightsError, match=r"cut.pt is not a PyTorch checkpoint \(torch.load "
+                                           r"could not read it: RuntimeError"):
+        _load(whole)
