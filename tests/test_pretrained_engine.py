@@ -262,6 +262,7 @@ def test_an_export_missing_or_adding_trained_weights_is_refused_by_name(runs, tm
 
 def test_generate_samples_the_datas_ids_with_the_memory_carried(runs, capsys):
     cfg = runs("full")[0]
+    capsys.readouterr()   # the run's own log, when this test is the first to need the run
     prompt = "1 2 3 4 5 6 7 8 9 10 11"      # more than a segment: one committed, one open
     args = ["--prompt-ids", prompt, "--max-new-tokens", "20", "--seed", "3", "--top-k", "8"]
     export = cfg.resolved_run_dir / "model.safetensors"

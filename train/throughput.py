@@ -113,24 +113,10 @@ def model_counts(cfg) -> ModelCounts:
 
 def segment_flops(cfg, counts: ModelCounts, seg_len: int) -> float:
     """Model FLOPs of one segment of `seg_len` tokens of one batch row with a full memory,
-    from the shapes its mechanism states (model/shapes.py `segment_shapes`)."""
-    import dataclasses
-
-    from model.backbones import shape_class
-    c = dataclasses.replace(cfg, tgt_len=seg_len)
-    sh = shape_class(c).segment_shapes(c, 1, c.mem_len)
-    rows, attention = 0, 0
-    for layer in sh.layers:
-        if hasattr(layer, "blocks"):        # a stated layer (a pretrained decoder's)
-            rows += layer.input_rows
-            attention += sum(a.queries * a.keys * a.heads * a.head_dim
-                             for blk in layer.blocks for a in blk.attention)
-        else:
-            rows += layer.out_rows
-            attention += sum(a.queries * a.keys for a in layer.attention) * \
-                c.n_head * c.d_head
-    return training_flops(counts.n_body, counts.n_head, rows / len(sh.layers),
-                          seg_len + sh.aux_targets, attention, counts.trained_share)
+    from what its backbone and mechanism state of it (model/backbones/ `flop_terms`)."""
+    rows, attention, aux_targets = backbone_of(cfg).flop_terms(cfg, seg_len)
+    return training_flops(counts.n_body, counts.n_head, rows, seg_len + aux_targets,
+                          attention, counts.trained_share)
 
 
 class Throughput:

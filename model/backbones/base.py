@@ -124,3 +124,24 @@ class Backbone(ABC):
     def flop_counts(self, cfg) -> FlopCounts:
         """`FlopCounts` of `cfg`, counted without weights (the meta device, a checkpoint's
         config) and without drawing from the random stream."""
+
+    def flop_terms(self, cfg, seg_len: int) -> tuple[float, float, int]:
+        """What the FLOP estimate (train/throughput.py) reads of one segment of `seg_len`
+        tokens of one batch row with a full memory: (R, the rows through a layer, mean over
+        layers; the sum over every attention call of d_attn x Q x K; the scored rows beyond
+        the segment's tokens), from the shapes the segment states (model/shapes.py)."""
+        import dataclasses
+
+        c = dataclasses.replace(cfg, tgt_len=seg_len)
+        sh = self.shape_class(c).segment_shapes(c, 1, c.mem_len)
+        rows, attention = 0, 0
+        for layer in sh.layers:
+            if hasattr(layer, "blocks"):        # a stated layer (a pretrained decoder's)
+                rows += layer.input_rows
+                attention += sum(a.queries * a.keys * a.heads * a.head_dim
+                                 for blk in layer.blocks for a in blk.attention)
+            else:
+                rows += layer.out_rows
+                attention += sum(a.queries * a.keys for a in layer.attention) * \
+                    c.n_head * c.d_head
+        return rows / len(sh.layers), attention, sh.aux_targets

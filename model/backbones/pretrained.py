@@ -156,9 +156,21 @@ class PretrainedBackbone(Backbone):
 
     def flop_counts(self, cfg) -> FlopCounts:
         # The meta model's facts (model/pretrained/shapes.py); the embedding tables are
-        # lookups, not matmuls, and a tied head is counted as the head.
+        # lookups, not matmuls, and a tied head is counted as the head. An architecture
+        # the planner has no layout for: read without one (model/pretrained/flops.py).
+        from ..pretrained.architectures import LAYOUTS
         from ..pretrained.shapes import base_facts
+        if cfg.hf.model_type not in LAYOUTS:
+            from ..pretrained.flops import unplanned_counts
+            return unplanned_counts(cfg)
         f = base_facts(cfg)
         tables = cfg.vocab_size * cfg.d_model * (1 if f.tied else 2) + f.positions * cfg.d_model
         return FlopCounts(f.total - tables, cfg.vocab_size * cfg.d_model,
                           f.trained_total / f.total)
+
+    def flop_terms(self, cfg, seg_len: int) -> tuple[float, float, int]:
+        from ..pretrained.architectures import LAYOUTS
+        if cfg.hf.model_type not in LAYOUTS:
+            from ..pretrained.flops import unplanned_terms
+            return unplanned_terms(cfg, seg_len)
+        return super().flop_terms(cfg, seg_len)
