@@ -31,6 +31,33 @@ d_head, intermediate size I, vocabulary V:
   dtype), since that depends on the device.
 The state: the write rows' copy [B, m, d].
 
+Mixture of experts (Mixtral, Qwen2-MoE; architectures.py `Experts`; Shazeer et al. 2017,
+§2.1, top-k gating): every expert's fused tensors, gate_up [E, 2I, d] and down [E, d, I],
+are parameters of the layer, all E resident: their gradients and optimizer states are
+counted under each ZeRO stage as the dense weights are. transformers 5.24 runs them through
+`config._experts_implementation`; from_config and from_pretrained choose "grouped_mm"
+(integrations/moe.py: `torch.nn.functional.grouped_mm` over the rows sorted by expert, on
+the CPU too with this torch), which memtrain runs and the planner counts. Over N = B·Q rows
+and S = k·N routed rows it keeps: the router's input (when its weight trains), its fp32
+softmax [N, E] and top-k indices [N, k]; where the top-k probabilities are renormalised
+(Mixtral always, Qwen2-MoE per `norm_topk_prob`) the fp32 quotient [N, k] and sum [N, 1];
+the load-balancing loss's softmax [N, E] and top-k indices (router.py); the permutations of
+the gather by expert, of the weights' gather and back to token order ([S] int64 each) and
+the int32 group offsets [E]; the gathered rows [S, d] when gate_up trains or is adapted;
+gate_up's output [S, 2I] (SiLU reads its gate half); SiLU's output [S, I] unless recomputed;
+down's input [S, I] when down trains or is adapted; down's output [S, d] and the routing
+weights [S, 1] (float32 in Mixtral) for the weighted sum. LoRA on a fused tensor (peft's
+`target_parameters`) folds W + scaling·B·A into a new [E, ., .] tensor that the grouped
+matmul keeps: one per adapted tensor, layer and segment. Qwen2-MoE's shared expert is a
+dense SwiGLU over the N rows, with its sigmoid gate [N, 1] and output [N, d]. None of this
+depends on how the S rows split among the experts. The other implementations are not
+counted: "eager" (a loop over the experts hit) keeps the same rows plus one more [S, d]
+and, instead of the three permutations, [S, 2] int64 of indices, also split-independent;
+"batched_mm" gathers every routed row's expert weights, keeping [S, 2I, d] and [S, d, I].
+Without a grouped_mm kernel (a GPU before compute capability 8.0, or compiled outside bf16)
+transformers falls back to its own op, which keeps each grouped matmul's input even when
+the expert weights are frozen: [S, d] + [S, I] per layer more than planned.
+
 ARMT (`mechanism: armt`, Rodkin et al. 2024; wrapper.py, associative.py): Q = L + m rows
 [tokens | memory] under the base model's causal mask, no read block; before each layer an
 associative block (associative.py `associative_shapes`: its read and write, and the layer's
