@@ -77,11 +77,19 @@ QWEN2_MOE = dataclasses.replace(LLAMA, **_MOE_FFN, moe=Experts(
 
 
 # The model types whose decoder layer the planner knows; every other architecture trains
-# (traits.py, probe.py) but `memtrain plan` refuses it by name.
-LAYOUTS = {"gpt2": GPT2, "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA,
-           "mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE}
+# (traits.py, probe.py) but `memtrain plan` refuses it by name. The mixtures of experts
+# are kept apart: model FLOPs count every weight of a model type in LAYOUTS as a row's
+# (model/backbones/pretrained.py), an expert's only at the top-k of E share a row passes
+# through (model/pretrained/flops.py).
+LAYOUTS = {"gpt2": GPT2, "llama": LLAMA, "mistral": LLAMA, "qwen2": LLAMA}
+MOE_LAYOUTS = {"mixtral": MIXTRAL, "qwen2_moe": QWEN2_MOE}
 
 
 def planned() -> list[str]:
-    """The architectures whose segment shapes the planner states."""
+    """The dense architectures whose segment shapes the planner states."""
     return sorted(LAYOUTS)
+
+
+def layout_of(model_type: str) -> Layout | None:
+    """The planner's layout of a model type, dense or mixture of experts (None: none)."""
+    return LAYOUTS.get(model_type) or MOE_LAYOUTS.get(model_type)

@@ -80,7 +80,7 @@ from ..loss import chunk_rows
 from ..shapes import SdpaShape, SegmentShapes, StatedBlock, StatedLayer, TensorShape
 from ..typed import ConfigError
 from .activations import effective_activation
-from .architectures import GPT2, LAYOUTS, Layout, planned
+from .architectures import GPT2, MOE_LAYOUTS, Layout, layout_of, planned
 from .checkpoint_config import SHAPE_FIELDS, hf_config, require_shape
 from .traits import config_traits
 
@@ -156,10 +156,11 @@ def layout(hf) -> Layout:
     """The planner's layout of the checkpoint's architecture (architectures.py), or a
     ConfigError naming the architectures it has one for, or what of a planned one's config
     it does not count."""
-    lay = LAYOUTS.get(hf.model_type)
+    lay = layout_of(hf.model_type)
     if lay is None:
         raise ConfigError("model.hf.path", f"`memtrain plan` has no segment shapes for "
-                          f"{hf.model_type!r} (model/pretrained/shapes.py); planned "
+                          f"{hf.model_type!r} (model/pretrained/shapes.py); planned mixtures "
+                          f"of experts: {', '.join(sorted(MOE_LAYOUTS))}; planned "
                           f"architectures: {', '.join(planned())}")
     act = getattr(hf, lay.act_field)
     if act not in ACTIVATION_SAVES:
@@ -435,7 +436,7 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
     (a pretrained backbone keeps no XL cache). The backward phases were read off the
     allocator's events of each backward node (benchmarks/bench_memory_plan.py)."""
     f = base_facts(cfg)
-    lay = LAYOUTS[f.model_type]
+    lay = layout_of(f.model_type)
     b, n = rows, cfg.tgt_len
     # The mechanism's rows: RMT's [read | tokens | write], ARMT's [tokens | memory], ...
     mem = cfg.mech.pretrained_rows(cfg, b, f.trained["associative"])
