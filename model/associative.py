@@ -270,6 +270,28 @@ class AssociativeLayer(nn.Module):
         # worth of the query's own features: an exact match (phi(q)^T z = |phi(q)|^2 for a
         # stored, orthogonal key) is unchanged, a query on uncounted features is damped.
         self.denominator_floor = denominator_floor
+        # The smallest relative denominator phi^T z / |phi|^2 of this layer's training reads
+        # since it was last taken (a device scalar, no host read): the quantity whose
+        # collapse makes a spike (above); the training log reads it per layer
+        # (`take_read_minimum`, train/loop.py). Rows with an empty z (fresh memory, nothing
+        # to read) do not count. A plain attribute: not in the state dict.
+        self.read_den_min: torch.Tensor | None = None
+
+    def _track(self, den: torch.Tensor, f: torch.Tensor, z: torch.Tensor) -> None:
+        if not self.training or torch.compiler.is_compiling():
+            return
+        with torch.no_grad():
+            ratio = den.float() / (f.float().square().sum(-1) + self.eps)     # [B, n]
+            fresh = (z == 0).all(-1)                                          # [B]
+            low = ratio.masked_fill(fresh[:, None], float("inf")).min()
+            self.read_den_min = (low if self.read_den_min is None
+                                 else torch.minimum(self.read_den_min, low))
+
+    def take_read_minimum(self) -> torch.Tensor | None:
+        """The smallest relative read denominator since the last call (None: no training
+        read), and start again."""
+        low, self.read_den_min = self.read_den_min, None
+        return low
 
     def empty_state(self, batch: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(A, z) of one layer for `batch` fresh rows, float32."""
@@ -302,6 +324,7 @@ class AssociativeLayer(nn.Module):
             return self._retrieve_bf16(A, z, hidden)
         f = self.phi(self.q_proj(hidden).to(ct))
         num, den = self._lookup(A.to(ct), z.to(ct), f)
+        self._track(den, f, z)
         return num / (self._floored(den, f) + self.eps)[..., None]
 
     def _retrieve_bf16(self, A: torch.Tensor, z: torch.Tensor, hidden: torch.Tensor
@@ -316,6 +339,7 @@ class AssociativeLayer(nn.Module):
         f = self.phi(self.q_proj(hidden).to(bf))                        # [B, n, d_phi]
         Az = torch.cat([A.to(bf), z.to(bf)[..., None]], dim=-1)         # [B, d_phi, d_v+1]
         out = torch.bmm(f, Az).float()
+        self._track(out[..., -1], f, z)
         den = self._floored(out[..., -1], f.float())
         return out[..., :-1] / (den + self.eps)[..., None]
 

@@ -422,3 +422,24 @@ def test_a_denominator_floor_bounds_that_read_and_leaves_stored_keys_alone():
     # (A differs only where a write's vbar met the floor)
     _, _, z_floored, _, _ = _gamma_kept_out(floor=1.0)
     torch.testing.assert_close(z_floored, z)
+
+
+def test_training_reads_keep_their_smallest_relative_denominator_for_the_log():
+    """`take_read_minimum` (what the training log records per layer as read_den_min/<i>):
+    phi(q)^T z / |phi(q)|^2 over the training reads since the last call: 0 for the query
+    gamma kept out of z, 1 for a stored orthogonal key; rows with an empty memory do not
+    count; evaluation reads are not recorded; taking it starts again."""
+    layer, A, z, query, stored_item = _gamma_kept_out()
+    layer.train()
+    layer.retrieve(A, z, stored_item)
+    assert float(layer.take_read_minimum()) == pytest.approx(1.0, rel=1e-4)
+    assert layer.take_read_minimum() is None
+    layer.retrieve(A, z, stored_item)
+    layer.retrieve(A, z, query)
+    assert float(layer.take_read_minimum()) == 0.0
+    fresh_A, fresh_z = layer.empty_state(1)
+    layer.retrieve(fresh_A, fresh_z, query)
+    assert float(layer.take_read_minimum()) == float("inf")
+    layer.eval()
+    layer.retrieve(A, z, query)
+    assert layer.take_read_minimum() is None

@@ -103,6 +103,14 @@ class TrainingLoop:
         # log line: the sum read with the flags (over ranks), and this rank's windows with
         # one; logged apart from the LM loss as "aux_loss" when any window had one.
         self._aux_sum, self._aux_windows = 0.0, 0
+        # Per-layer minima the model keeps on the device (`take_read_minimum`: ARMT's
+        # smallest relative read denominator, model/associative.py), read with the step's
+        # flags and kept on the host until a log line names them ("read_den_min/<layer>",
+        # this rank's reads).
+        self._minima_sources = [m for m in self.engine.module.modules()
+                                if hasattr(m, "take_read_minimum")]
+        self._pending_min: torch.Tensor | None = None
+        self._logged_min = [math.inf] * len(self._minima_sources)
         # What the final report scores, chosen once (_scored).
         self._final_scored: tuple | None = None
         # Model FLOPs of this rank's windows, counted on the host from their shapes: the
@@ -132,6 +140,12 @@ class TrainingLoop:
                                                           torch.maximum(p[3:], sums[3:])])
         self._pending_new += window.new_tokens
         self._aux_windows += res.aux is not None
+        if self._minima_sources:
+            lows = [m.take_read_minimum() for m in self._minima_sources]
+            inf = sums.new_full((), math.inf)
+            lows = torch.stack([inf if x is None else x.to(inf) for x in lows])
+            q = self._pending_min
+            self._pending_min = lows if q is None else torch.minimum(q, lows)
         self.engine.backward(res.loss)
         nll = n = 0.0
         bad = stop = new = 0
@@ -207,16 +221,28 @@ class TrainingLoop:
         `torch.cuda.set_sync_debug_mode("warn")` around a step should report only this."""
         p, new = self._pending, float(self._pending_new)
         self._pending, self._pending_new = None, 0
-        vec = p.new_empty(6)
+        lows, self._pending_min = self._pending_min, None
+        vec = p.new_empty(6 + (0 if lows is None else len(lows)))
         vec[:4] = p
         # Host scalars enter as fills (kernel arguments), not as a blocking host copy.
         vec[4].fill_(1.0 if self.signals.received else 0.0)
         vec[5].fill_(new)
+        if lows is not None:
+            vec[6:] = lows          # this rank's: read with the flags, not summed
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            torch.distributed.all_reduce(vec)
-        nll, n, aux, bad, stop, new = vec.tolist()
+            torch.distributed.all_reduce(vec[:6])
+        nll, n, aux, bad, stop, new, *minima = vec.tolist()
         self._aux_sum += aux
+        self._logged_min = [min(a, b) for a, b in zip(self._logged_min, minima, strict=False)]
         return nll, n, bad, stop, new
+
+    def _minima_metric(self) -> dict[str, float]:
+        """{"read_den_min/<i>": the smallest since the last log line, per layer i} for the
+        layers that read; {} for a model without such minima."""
+        out = {f"read_den_min/{i}": v for i, v in enumerate(self._logged_min)
+               if math.isfinite(v)}
+        self._logged_min = [math.inf] * len(self._minima_sources)
+        return out
 
     def _aux_metric(self) -> dict[str, float]:
         """{"aux_loss": the mean auxiliary loss term of the windows since the last log line
@@ -359,6 +385,7 @@ class TrainingLoop:
                            **self.throughput.read(now - last_log)}
                 metrics.update(self.curriculum.metrics())
                 metrics.update(self._aux_metric())
+                metrics.update(self._minima_metric())
                 if cfg.model.compile:  # graphs torch.compile built so far (model/compiled.py)
                     metrics["compiled_graphs"] = compiled_graphs()
                 norm = self.engine.get_global_grad_norm() if self.stage else self.grad_norm

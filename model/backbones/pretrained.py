@@ -156,8 +156,10 @@ class PretrainedBackbone(Backbone):
 
     def flop_counts(self, cfg) -> FlopCounts:
         # The meta model's facts (model/pretrained/shapes.py); the embedding tables are
-        # lookups, not matmuls, and a tied head is counted as the head. An architecture
-        # the planner has no layout for: read without one (model/pretrained/flops.py).
+        # lookups, not matmuls, and a tied head is counted as the head. Outside the
+        # planner's dense layouts (an architecture it has no layout for, or a mixture of
+        # experts, whose experts count at the top-k share a row passes through): read from
+        # the meta model and the mechanism's rows (model/pretrained/flops.py).
         from ..pretrained.architectures import LAYOUTS
         from ..pretrained.shapes import base_facts
         if cfg.hf.model_type not in LAYOUTS:

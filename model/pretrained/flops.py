@@ -1,5 +1,6 @@
-"""The FLOP estimate's terms (train/throughput.py) for a pretrained decoder the planner has no
-layer layout for (model/pretrained/architectures.py `LAYOUTS`).
+"""The FLOP estimate's terms (train/throughput.py) for a pretrained decoder outside the
+planner's dense layer layouts (model/pretrained/architectures.py `LAYOUTS`): an architecture
+it has no layout for, or a mixture of experts.
 
 The estimate needs far less than the planner: the parameters every row passes through, the
 head's, the trained share, the rows through each layer and the attention calls' Q x K. All
