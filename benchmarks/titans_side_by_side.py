@@ -34,6 +34,13 @@ perfect memory gives 0 on the repeats and 16/28 * 2.773 = 1.585 over segments 2 
     .venv/bin/python benchmarks/titans_side_by_side.py --steps 1000 \
         --titans-python /work/titans-venv/bin/python \
         --json benchmarks/results/titans_side_by_side.json
+
+memtrain's model can be changed one factor at a time (docs/titans.md, "Why it did not
+learn, by difference"): `--titans KEY=VALUE` sets a `model.titans` field (repeatable, e.g.
+`--titans read_as=residual --titans update_input=input`), `--bptt N` cuts the gradient N
+segments back (default: through all of them), and two screening knobs that are not model
+options: `--read-std` redraws W_H at another std, `--abs-pos` adds absolute positions in
+the segment to memtrain's embeddings.
 """
 
 from __future__ import annotations
@@ -101,6 +108,16 @@ def run_memtrain(tokens, repeats, args, reset: bool) -> dict:
                               "chunk_size": args.chunk, "variant": args.variant,
                               **titans_overrides(args.titans)})
     model = build_model(cfg).train()
+    if args.read_std is not None:   # screening only: W_H's initial std (the read's scale)
+        with torch.no_grad():
+            for w in model.core.memory_out or ():
+                w.weight.normal_(0.0, args.read_std)
+    if args.abs_pos:   # screening only: titans-pytorch's inputs carry absolute positions
+        pos = torch.arange(SEG, dtype=torch.float32)[:, None]
+        freq = torch.exp(torch.arange(0, args.dim, 2) * (-math.log(100.0) / args.dim))
+        table = torch.cat([torch.sin(pos * freq), torch.cos(pos * freq)], dim=-1)
+        model.embedding.register_forward_hook(
+            lambda mod, inp, out: out + table[:out.shape[1]].to(out.dtype))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     name = ("memtrain-reset" if reset else "memtrain") + (
         f"-{args.variant}" if args.variant != "mac" else "")
@@ -187,6 +204,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bptt", type=int, default=None,
                    help="memtrain: the gradient reaches this many segments back (the state "
                         "detached after every bptt + 1 segments); default: all 8")
+    p.add_argument("--read-std", type=float, default=None,
+                   help="memtrain: redraw W_H (the read's projection) at this std after "
+                        "the build (a screening knob; default: model.init_std)")
+    p.add_argument("--abs-pos", action="store_true",
+                   help="memtrain: add a sinusoid of each token's position in its segment to "
+                        "the embeddings (a screening knob: titans-pytorch's inputs carry "
+                        "absolute positions, memtrain's stack only relative ones)")
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--runs", default="memtrain,memtrain-reset,titans-pytorch,titans-pytorch-off")
     p.add_argument("--titans-python", default="",

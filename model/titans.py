@@ -109,6 +109,14 @@ class TitansCore(RelativeBackbone):
         self.memory_out = (nn.ModuleList(nn.Linear(o.d_mem, cfg.d_model, bias=False)
                                          for _ in range(cfg.n_layer))
                            if o.variant != "mag" else None)
+        if self.memory_out is not None:
+            # N(0, read_init_std), default the stack's N(0, init_std) (`own_init`). Drawn from
+            # a fork of the generator, so every other parameter draws what it drew when W_H
+            # was the last weight of the stack's init.
+            std = cfg.init_std if o.read_init_std is None else o.read_init_std
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                for w in self.memory_out:
+                    w.weight.normal_(0.0, std)
         self.memory_gate = (nn.ModuleList(MemoryGate(o.d_mem, cfg.d_model)
                                           for _ in range(cfg.n_layer))
                             if o.variant != "mal" and o.output_gate else None)

@@ -38,7 +38,7 @@ def titans_model(seed: int = 0, sharpen: bool = True, **titans) -> torch.nn.Modu
     ("max_grad_norm", float("inf")), ("chunk_size", 0), ("d_mem", 0), ("num_persistent", -1),
     ("variant", "mat"), ("conv_size", 1), ("conv_size", -1), ("update_input", "y"),
     ("read_as", "rows"), ("lr_bias", float("inf")), ("momentum_bias", float("nan")),
-    ("forget_bias", float("-inf"))])
+    ("forget_bias", float("-inf")), ("read_init_std", -0.1), ("read_init_std", float("inf"))])
 def test_each_bound_of_the_options_is_refused_by_its_field(field, value):
     with pytest.raises(ConfigError) as err:
         ModelConfig(mechanism="titans", mem_len=0, titans={field: value})
@@ -66,7 +66,7 @@ def test_the_mac_read_and_write_options_are_refused_for_mag_mal_and_a_pretrained
     and gate; MAG and MAL already read and write the layer's input, and MAG's output is
     the gate. Around a pretrained decoder only the paper's MAC runs."""
     for field, value in (("update_input", "input"), ("read_as", "residual"),
-                         ("output_gate", False)):
+                         ("output_gate", False)):   # (read_init_std: MAL has a W_H)
         for variant in ("mag", "mal"):
             with pytest.raises(ConfigError) as err:
                 ModelConfig(mechanism="titans", mem_len=0,
@@ -149,6 +149,29 @@ def test_read_as_residual_drops_the_read_rows_from_the_attention():
                       titans={"d_mem": 8, "num_persistent": 2, "read_as": "residual"})
     assert TitansCore.segment_shapes(cfg, 2, 0).distances == 2 + 2 * L
     assert TitansCore.segment_shapes(res, 2, 0).distances == 2 + L
+
+
+def test_read_init_std_draws_w_h_at_that_std_and_no_other_parameter_moves():
+    """`read_init_std` is W_H's initial std (null: `model.init_std`); W_H is drawn from a
+    fork of the generator, so the same seed gives every other parameter the same values
+    whatever the std. MAG has no W_H and refuses it."""
+    cfg = dict(mechanism="titans", vocab_size=V, n_layer=2, d_model=64, n_head=2,
+               d_inner=32, tgt_len=L, mem_len=0, dropout=0.0)
+    torch.manual_seed(0)
+    default = build_model(ModelConfig(**cfg, titans={"d_mem": 64}))
+    torch.manual_seed(0)
+    wide = build_model(ModelConfig(**cfg, titans={"d_mem": 64, "read_init_std": 0.125}))
+    for a, b in zip(default.core.memory_out, wide.core.memory_out, strict=True):
+        assert float(a.weight.std()) == pytest.approx(0.02, rel=0.05)
+        assert float(b.weight.std()) == pytest.approx(0.125, rel=0.05)
+    other = {k: v for k, v in wide.state_dict().items() if ".memory_out." not in k}
+    for k, v in default.state_dict().items():
+        if ".memory_out." not in k:
+            assert torch.equal(v, other[k]), k
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(mechanism="titans", mem_len=0,
+                    titans={"variant": "mag", "read_init_std": 0.1})
+    assert err.value.field == "model.titans.read_init_std"
 
 
 def test_without_the_output_gate_the_model_is_the_gated_one_at_initialisation():

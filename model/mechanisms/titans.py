@@ -84,6 +84,11 @@ class TitansOptions:
     lr_bias: float = 0.0
     momentum_bias: float = 0.0
     forget_bias: float = -4.0
+    # Std of W_H's initial weights (the read's projection to the model's width, MAC and
+    # MAL); null: `model.init_std` (0.02, the rest of the stack's). On the side-by-side
+    # stream the read on the residual stream learns with 1 / sqrt(d_mem) and barely with
+    # 0.02 (docs/titans.md, "Why it did not learn, by difference").
+    read_init_std: float | None = None
 
 
 @register
@@ -100,7 +105,8 @@ class Titans(Mechanism):
     analyses = ()
     # M_0 ~ N(0, 1/d_in) and the zero gate of Eq. 25 (model/neural_memory.py, titans.py);
     # the XL init's N(0, 0.02) would make a deep memory's reads vanish.
-    own_init = ("memory.", "memory_gate.", "persistent")
+    # W_H (`memory_out.`) at `read_init_std` (model/titans.py).
+    own_init = ("memory.", "memory_out.", "memory_gate.", "persistent")
     identity_fields = ("variant", "conv_size")
     pretrained = True
     # Around a pretrained decoder: the persistent rows, then [h_i x_i] pairs sharing a
@@ -153,7 +159,8 @@ class Titans(Mechanism):
         if o.read_as not in READ_AS:
             raise ConfigError("model.titans.read_as", f"unknown {o.read_as!r}; choose one "
                               f"of {', '.join(READ_AS)}")
-        native_only = {"update_input": "output", "read_as": "context", "output_gate": True}
+        native_only = {"update_input": "output", "read_as": "context", "output_gate": True,
+                       "read_init_std": None}
         for name, default in native_only.items():
             if getattr(o, name) != default and cfg.backbone != "native":
                 raise ConfigError(f"model.titans.{name}", f"{getattr(o, name)!r} runs on the "
@@ -166,6 +173,12 @@ class Titans(Mechanism):
         if not o.output_gate and o.variant != "mac":
             raise ConfigError("model.titans.output_gate", "MAG's output is the gate (off, "
                               "its memory would be unused); MAL has none: 'mac' only")
+        if o.read_init_std is not None and not 0 <= o.read_init_std < float("inf"):
+            raise ConfigError("model.titans.read_init_std", f"must be a finite number >= 0 "
+                              f"or null, got {o.read_init_std}")
+        if o.read_init_std is not None and o.variant == "mag":
+            raise ConfigError("model.titans.read_init_std", "MAG has no W_H (its read only "
+                              "gates the attention's output)")
         for name in ("lr_bias", "momentum_bias", "forget_bias"):
             if not abs(getattr(o, name)) < float("inf"):
                 raise ConfigError(f"model.titans.{name}", f"must be finite, got "
