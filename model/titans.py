@@ -29,6 +29,16 @@ causal language model (docs/titans.md lists them):
   can express those constants (and more).
 - One neural memory per layer, as ARMT has one association matrix per layer.
 
+MAC's read, write and gate have options outside the paper's defaults (measured on the
+side-by-side stream, docs/titans.md "Why it did not learn, by difference"): `read_as:
+residual` adds h_i = W_H M*(q_i) to token i's row before the attention instead of
+entering it as a context row (token i then need not find its own read among the L rows
+by position); `update_input: input` writes the memory with the layer's input x instead of
+y (with the read on the residual stream, y contains the read: the memory would be written
+with itself); `output_gate: false` drops Eq. 25's gate (o = y); `read_init_std` sets
+W_H's initial scale (at the stack's 0.02 the read is a few percent of a token's row and
+every gradient into the memory is scaled by it).
+
 `model.titans.variant` "mag" (memory as a gate, §4.2) and "mal" (as a layer, §4.3) use the
 same memory and state: MAG attends over [p_l | x] and gates its output with the memory's
 read of x, o = y ⊗ M*(x); MAL adds the memory's read W_H M*(x) to x (a residual branch: a
