@@ -66,8 +66,8 @@ def test_the_mac_read_and_write_options_are_refused_for_mag_mal_and_a_pretrained
     and gate; MAG and MAL already read and write the layer's input, and MAG's output is
     the gate. Around a pretrained decoder only the paper's MAC runs."""
     for field, value in (("update_input", "input"), ("read_as", "residual"),
-                         ("output_gate", False)):   # (read_init_std: MAL has a W_H)
-        for variant in ("mag", "mal"):
+                         ("output_gate", False), ("read_init_std", 0.1)):
+        for variant in ("mag", "mal") if field != "read_init_std" else ("mag",):
             with pytest.raises(ConfigError) as err:
                 ModelConfig(mechanism="titans", mem_len=0,
                             titans={"variant": variant, field: value})
