@@ -69,7 +69,9 @@ class TitansOptions:
     compiled_chunks: bool = False
     # MAC (§4.1) only. The stream the memory is written with (Eq. 24): "output", the
     # attention's output y as the paper writes it; "input", the layer's input x (what MAG,
-    # MAL and titans-pytorch's MAC write).
+    # MAL and titans-pytorch's MAC write). Eq. 25's gate reads the stream the memory is
+    # written with: M*(y), or M*(x) with "input" (read and write share one stream and, with
+    # convolutions, one tail).
     update_input: str = "output"
     # MAC only. Where the read h = W_H M*(q) enters (Eq. 22): "context", as rows the
     # segment's tokens attend to; "residual", added to each token's row x_i + h_i before
