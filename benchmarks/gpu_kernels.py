@@ -20,8 +20,9 @@ and `can_use_efficient_attention` on the call's arguments, and the attention ker
 profiler saw (their names: flash / fmha / efficient / cudnn).
 
 Cases: the pretrained wrapper (backbone hf, a tiny random Llama of benchmarks/bench_pretrained.py)
-with no memory (the base model), RMT `pattern: paper` (a [2m+L]^2 boolean mask: RMT §3's
-rule), RMT `pattern: causal` (the RMT authors' MemoryCell: the base model's own causal mask),
+with no memory (the base model), RMT `pattern: paper` (RMT §3's rule: by default three
+maskless calls, `model.hf.paper_attention: split`; with "mask" one [2m+L]^2 boolean mask),
+RMT `pattern: causal` (the RMT authors' MemoryCell: the base model's own causal mask),
 ARMT (the base model's causal mask over [tokens | memory]); and the native stack's xl,
 lamemo, rmt and armt, whose relative positional term is a float bias on every call
 (model/attention_kernels.py, "sdpa"): never flash, by construction. On the CPU the native
@@ -46,10 +47,11 @@ from benchmarks import bench_pretrained as bp  # noqa: E402
 from benchmarks.common import write_json  # noqa: E402
 from model import ModelConfig, build_model  # noqa: E402
 
-# name -> (backbone, mechanism, num_mem_tokens, pattern)
+# name -> (backbone, mechanism, num_mem_tokens, pattern[, model.hf.paper_attention])
 CASES = {
     "hf base (no memory)": ("hf", "rmt", 0, "paper"),
     "hf rmt paper": ("hf", "rmt", 4, "paper"),
+    "hf rmt paper (mask)": ("hf", "rmt", 4, "paper", "mask"),
     "hf rmt causal": ("hf", "rmt", 4, "causal"),
     "hf armt": ("hf", "armt", 4, "paper"),
     "native xl": ("native", "xl", 0, "paper"),
@@ -117,7 +119,7 @@ def sdpa_calls():
 
 def build_case(case: str, device, dtype, folder: str, seg_len: int = 16):
     """The model of one case at tiny shapes, on `device` in `dtype`, and its vocabulary."""
-    backbone, mechanism, m, pattern = CASES[case]
+    backbone, mechanism, m, pattern, *paper_attention = CASES[case]
     torch.manual_seed(0)
     if backbone == "hf":
         a = bp.parse_args(["--quick", f"--seg-len={seg_len}", f"--mechanism={mechanism}",
@@ -125,7 +127,10 @@ def build_case(case: str, device, dtype, folder: str, seg_len: int = 16):
         path = os.path.join(folder, "llama")
         if not os.path.exists(path):
             bp.save_backbone(a, path)
-        model = build_model(bp.model_config(a, path, m))
+        cfg = bp.model_config(a, path, m)
+        if paper_attention:
+            cfg.hf.paper_attention = paper_attention[0]
+        model = build_model(cfg)
         vocab = a.vocab
     else:
         cfg = ModelConfig(mechanism=mechanism, vocab_size=64, n_layer=2, d_model=64, n_head=2,

@@ -258,7 +258,7 @@ def part_gaps(o, facts, deadline, out: Path) -> dict:
 
 def part_kernels(o, facts, deadline) -> dict:
     from benchmarks.gpu_kernels import CASES, kernel_report
-    cases = ["hf rmt paper"] if o.quick else list(CASES)
+    cases = ["hf rmt paper", "hf rmt paper (mask)"] if o.quick else list(CASES)
     dtype = torch.bfloat16 if o.dtype == "bf16" else torch.float32
     return kernel_report(o.device, dtype, cases)
 

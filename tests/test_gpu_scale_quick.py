@@ -16,21 +16,30 @@ from benchmarks import gpu_kernels, gpu_scale
 def test_the_kernel_check_sees_which_patterns_pass_an_arbitrary_mask():
     real = torch.nn.functional.scaled_dot_product_attention
     report = gpu_kernels.kernel_report(
-        "cpu", cases=["hf base (no memory)", "hf rmt paper", "hf rmt causal", "native xl"])
+        "cpu", cases=["hf base (no memory)", "hf rmt paper", "hf rmt paper (mask)",
+                      "hf rmt causal", "native xl"])
     assert torch.nn.functional.scaled_dot_product_attention is real   # put back
     cases = report["cases"]
-    # 2 layers x 2 segments, forward only (the backward calls no SDPA)
-    assert {c: r["sdpa_calls"] for c, r in cases.items()} == dict.fromkeys(cases, 4)
+    # 2 layers x 2 segments, forward only (the backward calls no SDPA); RMT's paper pattern
+    # by default as three calls per layer (model/pretrained/paper_attention.py)
+    assert {c: r["sdpa_calls"] for c, r in cases.items()} == {
+        **dict.fromkeys(cases, 4), "hf rmt paper": 12}
     # The base model and the RMT authors' causal pattern: no mask, is_causal: flash can run.
     for case in ("hf base (no memory)", "hf rmt causal"):
         assert cases[case]["patterns"] == {"mask=none,is_causal=True": 4}
         assert cases[case]["flash_eligible"]
-    # RMT's paper pattern (RMT §3): a [2m+L]^2 boolean mask; native XL: a float bias.
-    assert cases["hf rmt paper"]["patterns"] == {"mask=bool,is_causal=False": 4}
+    # RMT's paper pattern (RMT §3): the tokens' causal call and the read and write rows'
+    # maskless ones, or with paper_attention "mask" a [2m+L]^2 boolean mask; native XL: a
+    # float bias.
+    assert cases["hf rmt paper"]["patterns"] == {"mask=none,is_causal=True": 4,
+                                                 "mask=none,is_causal=False": 8}
+    assert cases["hf rmt paper"]["flash_eligible"]
+    assert cases["hf rmt paper (mask)"]["patterns"] == {"mask=bool,is_causal=False": 4}
     assert cases["native xl"]["patterns"] == {"mask=float,is_causal=False": 4}
-    assert not cases["hf rmt paper"]["flash_eligible"]
+    assert not cases["hf rmt paper (mask)"]["flash_eligible"]
     assert not cases["native xl"]["flash_eligible"]
-    assert cases["hf rmt paper"]["first_call"]["q"][-2] == 16 + 2 * 4   # L + 2m rows
+    assert cases["hf rmt paper (mask)"]["first_call"]["q"][-2] == 16 + 2 * 4   # L + 2m rows
+    assert cases["hf rmt paper"]["first_call"]["q"][-2] == 4 + 16   # [read; tokens] rows
 
 
 def test_mfu_counts_the_matmul_parameters_and_the_memory_rows_apart():
@@ -168,7 +177,8 @@ def test_quick_mode_runs_every_part_on_the_cpu_and_writes_its_json(tmp_path):
                 "model_flops_per_s", "memory_flops_per_s"} <= set(r), r
         assert r["tokens_per_s"] > 0 and r["memory_rows"] == (
             0 if r["variant"] == "base" else gpu_scale.VARIANTS[r["variant"]][2] * 2)
-    assert parts["kernels"]["cases"]["hf rmt paper"]["flash_eligible"] is False
+    assert parts["kernels"]["cases"]["hf rmt paper"]["flash_eligible"] is True
+    assert parts["kernels"]["cases"]["hf rmt paper (mask)"]["flash_eligible"] is False
     gaps = parts["gaps"]["children"]
     assert set(gaps) == {"lamemo_vs_xl", "compile", "recompute"}
     for name, gap in gaps.items():   # each child ran and wrote its JSON

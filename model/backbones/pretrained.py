@@ -164,7 +164,7 @@ class PretrainedBackbone(Backbone):
         from ..pretrained.shapes import base_facts
         if cfg.hf.model_type not in LAYOUTS:
             from ..pretrained.flops import unplanned_counts
-            return unplanned_counts(cfg)
+            return FlopCounts(*unplanned_counts(cfg))
         f = base_facts(cfg)
         tables = cfg.vocab_size * cfg.d_model * (1 if f.tied else 2) + f.positions * cfg.d_model
         return FlopCounts(f.total - tables, cfg.vocab_size * cfg.d_model,

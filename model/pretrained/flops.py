@@ -20,8 +20,6 @@ from __future__ import annotations
 import functools
 import json
 
-from ..backbones.base import FlopCounts
-
 
 def _key(cfg) -> str:
     import dataclasses
@@ -32,7 +30,7 @@ def _key(cfg) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _meta_counts(key: str) -> FlopCounts:
+def _meta_counts(key: str) -> tuple[int, int, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -58,12 +56,12 @@ def _meta_counts(key: str) -> FlopCounts:
     if traits.moe is not None:
         experts = sum(p.numel() for n, p in named if ".experts." in n)
         body -= experts * (1 - traits.moe.top_k / traits.moe.experts)
-    return FlopCounts(int(body), head.numel(), trained / total)
+    return int(body), head.numel(), trained / total
 
 
-def unplanned_counts(cfg) -> FlopCounts:
-    """N_body, N_head and the trained share of `cfg` (backbone hf, shape read), from the
-    meta model."""
+def unplanned_counts(cfg) -> tuple[int, int, float]:
+    """(N_body, N_head, the trained share) of `cfg` (backbone hf, shape read), from the
+    meta model: the backbone's `FlopCounts` (model/backbones/pretrained.py)."""
     return _meta_counts(_key(cfg))
 
 
