@@ -90,3 +90,20 @@ def softmax_attend(scores: list[torch.Tensor], values: list[torch.Tensor]):
     lse = torch.logsumexp(s, dim=0)
     beta = torch.exp(s - lse)
     return (beta[..., None] * torch.stack(values)).sum(0), lse
+
+
+def rmt_paper_pattern(m: int, n: int) -> torch.Tensor:
+    """RMT's "paper" attention pattern (Bulatov et al. 2022, §3) over rows [read (m) |
+    tokens (n) | write (m)], cell by cell: bool [2m+n, 2m+n], True = may attend."""
+    rows = 2 * m + n
+    kind = ["read"] * m + ["token"] * n + ["write"] * m
+    allowed = torch.zeros(rows, rows, dtype=torch.bool)
+    for i in range(rows):
+        for j in range(rows):
+            if kind[j] == "read":
+                allowed[i, j] = True                  # everyone reads the read block
+            elif kind[i] == "token" and kind[j] == "token":
+                allowed[i, j] = j <= i                # causal among the tokens
+            elif kind[i] == "write":
+                allowed[i, j] = True                  # write sees every token and write row
+    return allowed

@@ -16,24 +16,13 @@ import sys
 import pytest
 import torch
 from pretrained_helpers import TINY, V, hf_model_section
+from reference import rmt_paper_pattern
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import ConfigError, ModelConfig, build_model
 from model.pretrained.paper_attention import split_paper_attention
 
 M, L = 3, 6
-
-
-def _pattern(m: int, n: int) -> torch.Tensor:
-    rows = 2 * m + n
-    kind = ["read"] * m + ["token"] * n + ["write"] * m
-    allowed = torch.zeros(rows, rows, dtype=torch.bool)
-    for i in range(rows):
-        for j in range(rows):
-            allowed[i, j] = (kind[j] == "read"
-                             or (kind[i] == "token" and kind[j] == "token" and j <= i)
-                             or kind[i] == "write")
-    return allowed
 
 
 def _masked_softmax_attention(q, k, v, allowed):
@@ -51,7 +40,7 @@ def test_the_split_is_the_masked_softmax_of_the_pattern_with_its_gradients(m, n)
                         requires_grad=True) for _ in range(2))
     w = torch.randn(2, 4, 2 * m + n, 8, generator=g, dtype=torch.float64)
     out = split_paper_attention(q, k, v, m, enable_gqa=True)
-    ref = _masked_softmax_attention(q, k, v, _pattern(m, n))
+    ref = _masked_softmax_attention(q, k, v, rmt_paper_pattern(m, n))
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
     grads = torch.autograd.grad((out * w).sum(), (q, k, v))
     ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))

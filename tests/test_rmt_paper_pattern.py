@@ -11,26 +11,12 @@ the write rows as the next memory; the wrapper must give the same, segment after
 import pytest
 import torch
 from pretrained_helpers import TINY, V, hf_model_section
+from reference import rmt_paper_pattern
 
 from model import ModelConfig, build_model
 from model.pretrained.logits import lm_logits
 
 M, L = 3, 5
-
-
-def _allowed(m: int, n: int) -> torch.Tensor:
-    rows = 2 * m + n
-    kind = ["read"] * m + ["token"] * n + ["write"] * m
-    allowed = torch.zeros(rows, rows, dtype=torch.bool)
-    for i in range(rows):
-        for j in range(rows):
-            if kind[j] == "read":
-                allowed[i, j] = True                  # everyone reads the read block
-            elif kind[i] == "token" and kind[j] == "token":
-                allowed[i, j] = j <= i                # causal among the tokens
-            elif kind[i] == "write":
-                allowed[i, j] = True                  # write sees every token and write row
-    return allowed
 
 
 def _positions(m: int, n: int, tgt_len: int) -> torch.Tensor:
@@ -44,7 +30,7 @@ def _reference(model, tokens, memory):
     base = model.base
     bsz, n = tokens.shape
     x = torch.cat([memory, base.get_input_embeddings()(tokens), memory], dim=1)
-    mask = _allowed(M, n)[None, None]
+    mask = rmt_paper_pattern(M, n)[None, None]
     h = base.base_model(inputs_embeds=x, attention_mask=mask,
                         position_ids=_positions(M, n, L).expand(bsz, -1), use_cache=False)[0]
     logp = torch.log_softmax(lm_logits(base, h[:, M:M + n]).float(), dim=-1)
@@ -78,6 +64,6 @@ def test_paper_pattern_outputs_and_next_memory_equal_the_reference_from_its_defi
 
 def test_the_reference_mask_is_not_the_causal_one():
     """The check can fail: the pattern differs from a causal mask over the same rows."""
-    allowed = _allowed(M, L)
+    allowed = rmt_paper_pattern(M, L)
     assert not torch.equal(allowed, torch.ones_like(allowed).tril())
     assert allowed[0, M - 1] and not allowed[M, M + 1] and allowed[M + L, 2 * M + L - 1]

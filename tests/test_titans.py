@@ -78,6 +78,18 @@ def test_the_mac_read_and_write_options_are_refused_for_mag_mal_and_a_pretrained
         assert err.value.field == f"model.titans.{field}"
 
 
+def _token_4_changed(model, x):
+    """(a1, b1, a2, b2): the first segment of x and of x with token 4 changed, and the
+    second segment of x read on each one's state."""
+    y = x.clone()
+    y[:, 4] = (y[:, 4] + 1) % V
+    a1, b1 = model(x[:, :L], None, return_log_probs=True), model(y[:, :L], None,
+                                                                 return_log_probs=True)
+    a2 = model(x[:, L:], a1.state, return_log_probs=True)
+    b2 = model(x[:, L:], b1.state, return_log_probs=True)
+    return a1, b1, a2, b2
+
+
 # (variant, model.titans.conv_size): every variant, and with §4.4's convolutions
 VARIANTS_CONV = [("mac", 0), ("mag", 0), ("mal", 0), ("mac", 3), ("mal", 3)]
 # MAC's read on the residual stream and its write with the layer input (alone, together,
@@ -96,13 +108,8 @@ def test_mac_options_keep_causality_carry_and_train_every_parameter(options):
     gradient over two segments."""
     model = titans_model(**options)
     x = torch.randint(0, V, (2, 2 * L), generator=torch.Generator().manual_seed(1))
-    y = x.clone()
-    y[:, 4] = (y[:, 4] + 1) % V
     with torch.no_grad():
-        a1, b1 = model(x[:, :L], None, return_log_probs=True), model(y[:, :L], None,
-                                                                     return_log_probs=True)
-        a2 = model(x[:, L:], a1.state, return_log_probs=True)
-        b2 = model(x[:, L:], b1.state, return_log_probs=True)
+        a1, b1, a2, b2 = _token_4_changed(model, x)
         fresh = model(x[:, L:], None, return_log_probs=True).log_probs
         reset = model(x[:, L:], a1.state.reset_rows(torch.tensor([True, False])),
                       return_log_probs=True).log_probs
@@ -202,13 +209,8 @@ def test_a_token_sees_neither_later_tokens_nor_their_memory_reads(variant, conv_
     their carried tail)."""
     model = titans_model(variant=variant, conv_size=conv_size)
     x = torch.randint(0, V, (2, 2 * L), generator=torch.Generator().manual_seed(1))
-    y = x.clone()
-    y[:, 4] = (y[:, 4] + 1) % V
     with torch.no_grad():
-        a1, b1 = model(x[:, :L], None, return_log_probs=True), model(y[:, :L], None,
-                                                                     return_log_probs=True)
-        a2 = model(x[:, L:], a1.state, return_log_probs=True)
-        b2 = model(x[:, L:], b1.state, return_log_probs=True)
+        a1, b1, a2, b2 = _token_4_changed(model, x)
     assert torch.equal(a1.log_probs[:, :4], b1.log_probs[:, :4])
     assert (a1.log_probs[:, 4:] - b1.log_probs[:, 4:]).abs().max() > 1e-5
     assert (a2.log_probs - b2.log_probs).abs().max() > 1e-5

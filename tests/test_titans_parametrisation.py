@@ -275,27 +275,7 @@ def test_titans_learns_to_carry_a_segment_across_the_boundary():
     the repeat is unpredictable). Measured (2026-11-29, one CPU thread, ~6 s): carried 1.80,
     reset 2.08. A memory that stops carrying information (no write, a write that does not
     reach the next segment, or a retrieval that is ignored) gives carried = reset."""
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = build_model(ModelConfig(
-        mechanism="titans", vocab_size=VOCAB, n_layer=1, d_model=32, n_head=2, d_inner=64,
-        tgt_len=SEG, mem_len=0, dropout=0.0, pre_lnorm=True,
-        titans={"d_mem": 16, "chunk_size": SEG})).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(STEPS):
-        first, second = _second_segment_loss(model, *_copy_batch(g), carry=True)
-        opt.zero_grad()
-        (first + second).backward()
-        opt.step()
-    model.eval()
-    g = torch.Generator().manual_seed(123)
-    held_out = [_copy_batch(g) for _ in range(4)]
-    with torch.no_grad():
-        carried = sum(float(_second_segment_loss(model, *b, carry=True)[1])
-                      for b in held_out) / len(held_out)
-        reset = sum(float(_second_segment_loss(model, *b, carry=False)[1])
-                    for b in held_out) / len(held_out)
+    carried, reset = _carried_and_reset_after_training({})
     assert reset > math.log(VOCAB) - 0.1, reset      # the control is at chance
     assert carried < reset - 0.15, (carried, reset)
 

@@ -31,20 +31,14 @@ def _key(cfg) -> str:
 
 @functools.lru_cache(maxsize=8)
 def _meta_counts(key: str) -> tuple[int, int, float]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from ..config import ModelConfig
     from .checkpoint_config import hf_config
     from .traits import config_traits
-    from .wrapper import PretrainedMemoryLM
+    from .wrapper import meta_model
     cfg = ModelConfig.from_dict(json.loads(key))
     hf = hf_config(cfg.hf)
     traits = config_traits(hf)
-    with torch.device("meta"):   # shapes only: no memory, no weights read
-        base = AutoModelForCausalLM.from_config(
-            hf, attn_implementation=cfg.hf.attn_implementation)
-        lm = PretrainedMemoryLM(cfg, base=base, memory_scale=1.0)
+    base, lm = meta_model(cfg, hf)
     named = list(lm.named_parameters())
     total = sum(p.numel() for _, p in named)
     trained = sum(p.numel() for _, p in named if p.requires_grad)

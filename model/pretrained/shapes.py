@@ -232,18 +232,12 @@ def _trained(module, prefixes) -> int:
 
 @functools.lru_cache(maxsize=4)
 def _base(key: str) -> Base:
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from ..config import ModelConfig
-    from .wrapper import PretrainedMemoryLM
+    from .wrapper import meta_model
     cfg = ModelConfig.from_dict(json.loads(key))
     hf = hf_config(cfg.hf)
     lay = layout(hf)
-    with torch.device("meta"):   # shapes only: no memory, no weights read
-        base = AutoModelForCausalLM.from_config(
-            hf, attn_implementation=cfg.hf.attn_implementation)
-        lm = PretrainedMemoryLM(cfg, base=base, memory_scale=1.0)
+    base, lm = meta_model(cfg, hf)
     top = base.base_model
     layer = getattr(top, lay.layers)[0]
     names = (*lay.qkv, lay.out, *lay.ffn_in, *([lay.ffn_out] if lay.ffn_out else []),

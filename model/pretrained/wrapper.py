@@ -134,3 +134,18 @@ def _window_check(traits, cfg):
             check_rows(traits, x.shape[1], "model.tgt_len",
                        f"a segment of {cfg.mechanism.upper()} (memory and tokens)")
     return hook
+
+
+def meta_model(cfg: ModelConfig, hf=None):
+    """(the base model, the wrapper) of `cfg` built on the meta device from the
+    checkpoint's config `hf` (read from `cfg.hf` when not given): shapes only, no memory,
+    no weights read (the planner's and the FLOP count's model)."""
+    from transformers import AutoModelForCausalLM
+
+    from .checkpoint_config import hf_config
+    hf = hf if hf is not None else hf_config(cfg.hf)
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(
+            hf, attn_implementation=cfg.hf.attn_implementation)
+        lm = PretrainedMemoryLM(cfg, base=base, memory_scale=1.0)
+    return base, lm
