@@ -115,3 +115,10 @@ def build_dataclass(cls, values: dict, prefix: str = ""):
             raise ConfigError(_join(prefix, key), f"unknown field; known fields: "
                               f"{', '.join(sorted(known))}")
     return cls(**{k: coerce(v, hints[k], _join(prefix, k)) for k, v in values.items()})
+
+
+def check_choice(field: str, value, choices) -> None:
+    """Refuse `value` of the option `field` (e.g. "model.titans.read_as") unless it is one of
+    `choices`, naming them."""
+    if value not in choices:
+        raise ConfigError(field, f"unknown {value!r}; choose one of {', '.join(choices)}")

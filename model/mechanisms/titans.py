@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..neural_memory import NeuralMemoryState
-from ..typed import ConfigError
+from ..typed import ConfigError, check_choice
 from .registry import Mechanism, register
 
 VARIANTS = ("mac", "mag", "mal")
@@ -155,12 +155,8 @@ class Titans(Mechanism):
         if o.conv_size < 0 or o.conv_size == 1:
             raise ConfigError("model.titans.conv_size", f"must be 0 (none) or >= 2 (a "
                               f"kernel over a row and the ones before it), got {o.conv_size}")
-        if o.update_input not in UPDATE_INPUTS:
-            raise ConfigError("model.titans.update_input", f"unknown {o.update_input!r}; "
-                              f"choose one of {', '.join(UPDATE_INPUTS)}")
-        if o.read_as not in READ_AS:
-            raise ConfigError("model.titans.read_as", f"unknown {o.read_as!r}; choose one "
-                              f"of {', '.join(READ_AS)}")
+        check_choice("model.titans.update_input", o.update_input, UPDATE_INPUTS)
+        check_choice("model.titans.read_as", o.read_as, READ_AS)
         native_only = {"update_input": "output", "read_as": "context", "output_gate": True,
                        "read_init_std": None}
         for name, default in native_only.items():
