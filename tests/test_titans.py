@@ -442,3 +442,27 @@ def test_memtrain_train_runs_titans_around_a_pretrained_model_and_resumes_exactl
     resumed = step_losses(run_dir)
     assert sorted(whole) == list(range(1, COPY_STEPS + 1)) and whole[COPY_STEPS] != whole[1]
     assert resumed == pytest.approx(whole, rel=1e-5)
+
+
+def test_train_says_when_the_write_can_get_no_gradient():
+    """One chunk per segment and bptt.depth 0: every read is of memory the segments before
+    wrote, and no gradient crosses a segment, so the write's parameters get exactly zero
+    gradient; `memtrain train` says so (Mechanism.training_notes). With a smaller chunk
+    or BPTT they get one, and nothing is said."""
+    one_chunk = titans_model(chunk_size=L).train()
+    note = one_chunk.cfg.mech.training_notes
+    [line] = note(one_chunk.cfg, 0)
+    assert "bptt.depth 0" in line and "W_K, W_V" in line
+    assert note(one_chunk.cfg, 1) == []
+    assert note(titans_model(chunk_size=L // 2).cfg, 0) == []
+
+    def write_grads(model):
+        model.zero_grad()
+        x = torch.randint(0, V, (2, L + 1), generator=torch.Generator().manual_seed(3))
+        first = model(x[:, :L], None, targets=x[:, 1:])
+        model(x[:, :L], first.state.detach(), targets=x[:, 1:]).loss.backward()   # depth 0
+        return [p.grad for n, p in model.named_parameters()
+                if ".k_proj" in n or ".v_proj" in n]
+    assert all(g is None or not g.any() for g in write_grads(one_chunk))
+    two_chunks = titans_model(chunk_size=L // 2).train()
+    assert any(g is not None and g.any() for g in write_grads(two_chunks))

@@ -92,6 +92,9 @@ def train(cfg: RunConfig, resume: bool | str = True) -> int:
     init_process_group(env, timeout_minutes=cfg.distributed.timeout_minutes)
     device = device_for(env.local_rank)
     check_run(cfg, env.world_size, device)
+    if env.is_main:
+        for note in cfg.model.mech.training_notes(cfg.model, cfg.bptt.depth):
+            print(f"memtrain: {note}", flush=True)
     numerics = configure_matmul(cfg.deepspeed.precision, cfg.deepspeed.tf32, device,
                                 env.is_main)
     if env.is_main:

@@ -105,6 +105,12 @@ class Mechanism:
         `segment_shapes` states a segment's shapes (model/shapes.py)."""
         raise NotImplementedError(f"mechanism {self.name!r} has no native core")
 
+    def training_notes(self, cfg, bptt_depth: int) -> list[str]:
+        """Lines `memtrain train` prints before training `cfg` with gradients through
+        `bptt_depth` earlier segments: settings under which a part of the mechanism gets no
+        gradient and cannot learn. None by default."""
+        return []
+
     def aux_loss(self, cfg, softmax, state) -> Any:
         """The weighted auxiliary loss of a segment from the model's softmax and the new
         state, or None (added to the LM loss by the training step, logged apart)."""

@@ -208,6 +208,19 @@ class Titans(Mechanism):
         from ..pretrained.titans import decode
         return decode(lm, emb, state)
 
+    def training_notes(self, cfg, bptt_depth: int) -> list[str]:
+        # A read uses the memory as of its chunk's start (Eq. 21-22 per chunk, §3.2): with
+        # one chunk per segment every read is of the segments before, whose state a BPTT
+        # depth of 0 detaches, so nothing the segment writes reaches its loss.
+        o = cfg.titans
+        if bptt_depth > 0 or o.chunk_size < cfg.tgt_len:
+            return []
+        return [f"model.titans.chunk_size {o.chunk_size} >= model.tgt_len {cfg.tgt_len} with "
+                "bptt.depth 0: every read of a segment is of the memory the segments before "
+                "it wrote, and no gradient crosses a segment, so W_K, W_V, their "
+                "convolutions and the gates get none (the memory cannot learn what to "
+                "write); set bptt.depth >= 1, or a chunk_size below tgt_len"]
+
     def pretrained_rows(self, cfg, rows, trained_params):
         from ..pretrained.titans import memory_rows
         return memory_rows(cfg, rows, trained_params)
