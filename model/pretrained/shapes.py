@@ -31,32 +31,7 @@ d_head, intermediate size I, vocabulary V:
   dtype), since that depends on the device.
 The state: the write rows' copy [B, m, d].
 
-Mixture of experts (Mixtral, Qwen2-MoE; architectures.py `Experts`; Shazeer et al. 2017,
-§2.1, top-k gating): every expert's fused tensors, gate_up [E, 2I, d] and down [E, d, I],
-are parameters of the layer, all E resident: their gradients and optimizer states are
-counted under each ZeRO stage as the dense weights are. transformers 5.24 runs them through
-`config._experts_implementation`; from_config and from_pretrained choose "grouped_mm"
-(integrations/moe.py: `torch.nn.functional.grouped_mm` over the rows sorted by expert, on
-the CPU too with this torch), which memtrain runs and the planner counts. Over N = B·Q rows
-and S = k·N routed rows it keeps: the router's input (when its weight trains), its fp32
-softmax [N, E] and top-k indices [N, k]; where the top-k probabilities are renormalised
-(Mixtral always, Qwen2-MoE per `norm_topk_prob`) the fp32 quotient [N, k] and sum [N, 1];
-the load-balancing loss's softmax [N, E] and top-k indices (router.py); the permutations of
-the gather by expert, of the weights' gather and back to token order ([S] int64 each) and
-the int32 group offsets [E]; the gathered rows [S, d] when gate_up trains or is adapted;
-gate_up's output [S, 2I] (SiLU reads its gate half); SiLU's output [S, I] unless recomputed;
-down's input [S, I] when down trains or is adapted; down's output [S, d] and the routing
-weights [S, 1] (float32 in Mixtral) for the weighted sum. LoRA on a fused tensor (peft's
-`target_parameters`) folds W + scaling·B·A into a new [E, ., .] tensor that the grouped
-matmul keeps: one per adapted tensor, layer and segment. Qwen2-MoE's shared expert is a
-dense SwiGLU over the N rows, with its sigmoid gate [N, 1] and output [N, d]. None of this
-depends on how the S rows split among the experts. The other implementations are not
-counted: "eager" (a loop over the experts hit) keeps the same rows plus one more [S, d]
-and, instead of the three permutations, [S, 2] int64 of indices, also split-independent;
-"batched_mm" gathers every routed row's expert weights, keeping [S, 2I, d] and [S, d, I].
-Without a grouped_mm kernel (a GPU before compute capability 8.0, or compiled outside bf16)
-transformers falls back to its own op, which keeps each grouped matmul's input even when
-the expert weights are frozen: [S, d] + [S, I] per layer more than planned.
+A mixture of experts' layer: moe_shapes.py.
 
 ARMT (`mechanism: armt`, Rodkin et al. 2024; wrapper.py, associative.py): Q = L + m rows
 [tokens | memory] under the base model's causal mask, no read block; before each layer an
@@ -82,51 +57,21 @@ from ..typed import ConfigError
 from .activations import effective_activation
 from .architectures import GPT2, MOE_LAYOUTS, Layout, layout_of, planned
 from .checkpoint_config import SHAPE_FIELDS, hf_config, require_shape
+from .layer_tensors import (
+    ACTIVATION_SAVES,
+    Linear,
+    dropout_draws,
+    dropout_masks,
+    linear_inputs,
+    linear_of,
+    matmul_outputs,
+    norm_backward,
+    norm_saves,
+    trained_elements,
+    weight_grads,
+)
+from .moe_shapes import MoeFacts, moe_blocks, moe_facts
 from .traits import config_traits
-
-# [B, Q, I] tensors an activation keeps: its input (SiLU, exact and tanh GELU kernels), or
-# the four of transformers' Python tanh GELU (module docstring).
-ACTIVATION_SAVES = {"silu": 1, "swish": 1, "gelu": 1, "gelu_pytorch_tanh": 1, "relu": 1,
-                    "gelu_new": 4}
-
-
-@dataclass(frozen=True)
-class Linear:
-    """What one (possibly adapted) linear layer of the meta model says about training."""
-
-    trains: bool           # its own weight gets a gradient
-    lora_r: int = 0        # LoRA rank (0: no adapter)
-    lora_dropout: float = 0.0
-
-    @property
-    def keeps_input(self) -> bool:   # its input tensor itself is saved
-        return self.trains or (self.lora_r > 0 and self.lora_dropout == 0)
-
-
-@dataclass(frozen=True)
-class Fused:
-    """One fused [E, ., .] expert tensor (or the router's weight) of the meta model."""
-
-    trains: bool           # the tensor itself gets a gradient
-    adapted: bool          # peft's ParamWrapper (`target_parameters`) adapts it: the
-    #                        forward reads W + scaling·B·A, a new tensor of W's shape
-
-
-@dataclass(frozen=True)
-class MoeFacts:
-    """A mixture-of-experts layer's facts (architectures.py `Experts`, the config, the meta
-    model)."""
-
-    experts: int           # E
-    top_k: int             # k
-    size: int              # an expert's intermediate size I
-    renormalise: bool
-    fp32_weights: bool
-    router: Fused
-    gate_up: Fused
-    down: Fused
-    balance: bool          # the forward adds the load-balancing loss (router.py)
-    shared_size: int = 0   # the shared expert's intermediate size (0: none)
 
 
 @dataclass(frozen=True)
@@ -181,55 +126,6 @@ def layout(hf) -> Layout:
     return lay
 
 
-def _linear(module) -> Linear:
-    base = getattr(module, "base_layer", module)
-    lora = getattr(module, "lora_A", None)
-    if not lora:
-        return Linear(base.weight.requires_grad)
-    name = next(iter(lora))
-    drop = module.lora_dropout[name]
-    return Linear(base.weight.requires_grad, module.r[name], float(getattr(drop, "p", 0.0)))
-
-
-def _fused(module, name: str) -> tuple[Fused, int]:
-    """The fused tensor `name` of `module` (the experts, or the router's `weight`) through
-    the chain of peft ParamWrappers around it, and the trained elements it adds (its own, and
-    those of its adapter's lora_A and lora_B)."""
-    adapted, elems = False, 0
-    while hasattr(module, "base_layer"):
-        if getattr(module, "parameter_name", None) == name:
-            adapted = True
-            elems += sum(p.numel() for n, p in module.named_parameters()
-                         if p.requires_grad and n.startswith(("lora_A.", "lora_B.")))
-        module = module.base_layer
-    p = getattr(module, name)
-    return Fused(p.requires_grad, adapted), elems + (p.numel() if p.requires_grad else 0)
-
-
-def _moe(hf, lay: Layout, layer, router) -> tuple[MoeFacts, int, int]:
-    """The layer's MoE facts, and the trained elements of its "ffn" block (router, the
-    experts' gate_up, the shared expert's gate and up, its gate) and "ffn-out" (down)."""
-    ex = lay.moe
-    traits = config_traits(hf).moe
-    rt, rt_n = _fused(layer.get_submodule(ex.router), "weight")
-    experts = layer.get_submodule(ex.experts)
-    gu, gu_n = _fused(experts, "gate_up_proj")
-    dn, dn_n = _fused(experts, "down_proj")
-    renorm = ex.renormalise if isinstance(ex.renormalise, bool) else \
-        bool(getattr(hf, ex.renormalise))
-    facts = MoeFacts(traits.experts, traits.top_k, int(getattr(hf, ex.size_field)), renorm,
-                     ex.fp32_weights, rt, gu, dn, router is not None,
-                     int(getattr(hf, ex.shared_field)) if ex.shared else 0)
-    shared_in = (*ex.shared[:2], ex.shared_gate) if ex.shared else ()
-    return (facts, rt_n + gu_n + _trained(layer, shared_in) if shared_in else rt_n + gu_n,
-            dn_n + (_trained(layer, ex.shared[2:]) if ex.shared else 0))
-
-
-def _trained(module, prefixes) -> int:
-    return sum(p.numel() for n, p in module.named_parameters()
-               if p.requires_grad and n.startswith(prefixes))
-
-
 @functools.lru_cache(maxsize=4)
 def _base(key: str) -> Base:
     from ..config import ModelConfig
@@ -242,7 +138,7 @@ def _base(key: str) -> Base:
     layer = getattr(top, lay.layers)[0]
     names = (*lay.qkv, lay.out, *lay.ffn_in, *([lay.ffn_out] if lay.ffn_out else []),
              *((*lay.moe.shared, lay.moe.shared_gate) if lay.moe and lay.moe.shared else ()))
-    moe, moe_in, moe_out = _moe(hf, lay, layer, lm._router) if lay.moe else (None, 0, 0)
+    moe, moe_in, moe_out = moe_facts(hf, lay, layer, lm._router) if lay.moe else (None, 0, 0)
     ffn_in = lay.ffn_in if not lay.moe else ()
     norm = lambda mod: all(p.requires_grad for p in mod.parameters())  # noqa: E731
     params = list(lm.parameters())
@@ -255,23 +151,25 @@ def _base(key: str) -> Base:
         embd_dropout=float(getattr(hf, lay.dropouts[1], 0.0) or 0.0) if lay.dropouts[1]
         else 0.0,
         rotary=config_traits(hf).positions == "rotary",
-        linears={n: _linear(layer.get_submodule(n)) for n in names},
+        linears={n: linear_of(layer.get_submodule(n)) for n in names},
         norm_trains={lay.attn_norm: norm(layer.get_submodule(lay.attn_norm)),
                      lay.ffn_norm: norm(layer.get_submodule(lay.ffn_norm)),
                      "final": norm(top.get_submodule(lay.final_norm))},
         embedding_trains=tuple(top.get_submodule(e).weight.requires_grad
                                for e in lay.embeddings),
-        head=_linear(head),
+        head=linear_of(head),
         tied=head.weight is base.get_input_embeddings().weight,
-        trained={"attention": _trained(layer, (lay.attn_norm, *lay.qkv)),
-                 "attention-out": _trained(layer, (lay.out,)),
-                 "ffn": _trained(layer, (lay.ffn_norm, *ffn_in)) + moe_in,
-                 "ffn-out": (_trained(layer, (lay.ffn_out,)) if lay.ffn_out else 0) + moe_out,
-                 "embedding": _trained(top, lay.embeddings) + _trained(lm, ("memory_init",)),
-                 "associative": _trained(lm, ("associative.0.",)),
-                 "head": _trained(top, (lay.final_norm,))
+        trained={"attention": trained_elements(layer, (lay.attn_norm, *lay.qkv)),
+                 "attention-out": trained_elements(layer, (lay.out,)),
+                 "ffn": trained_elements(layer, (lay.ffn_norm, *ffn_in)) + moe_in,
+                 "ffn-out": (trained_elements(layer, (lay.ffn_out,)) if lay.ffn_out else 0)
+                 + moe_out,
+                 "embedding": trained_elements(top, lay.embeddings)
+                 + trained_elements(lm, ("memory_init",)),
+                 "associative": trained_elements(lm, ("associative.0.",)),
+                 "head": trained_elements(top, (lay.final_norm,))
                  + (0 if head.weight is base.get_input_embeddings().weight
-                    else _trained(head, ("",)))},
+                    else trained_elements(head, ("",)))},
         total=sum(p.numel() for p in params),
         trained_total=sum(p.numel() for p in params if p.requires_grad),
         largest=max(p.numel() for p in params),
@@ -288,141 +186,6 @@ def base_facts(cfg) -> Base:
            "hf": dataclasses.asdict(cfg.hf),
            **{name: getattr(cfg, name) for name in SHAPE_FIELDS}}
     return _base(json.dumps(key, sort_keys=True))
-
-
-def _norm(lay: Layout, rows: int, q: int, d: int, trains: bool) -> list[TensorShape]:
-    """What a norm over [rows, q, d] keeps (module docstring)."""
-    if lay.norm == "rms":
-        out = [TensorShape((rows, q, d), "fp32", category="layernorm"),
-               TensorShape((rows, q, 1), "fp32", category="layernorm")]
-        return out + ([TensorShape((rows, q, d), category="layernorm")] if trains else [])
-    return [TensorShape((rows, q, d), category="layernorm"),
-            TensorShape((rows, q, 1), "stat", 2, category="layernorm")]
-
-
-def _norm_backward(lay: Layout, rows: int, q: int, d: int) -> tuple[TensorShape, ...]:
-    """A norm's backward: the gradient reaching it, and RMSNorm's three fp32 [rows, q, d]
-    (it differentiates in fp32: the gain's product, x·rsqrt, x²) or LayerNorm's input
-    gradient."""
-    g = TensorShape((rows, q, d))
-    return (g, TensorShape((rows, q, d), "fp32", 3)) if lay.norm == "rms" else (g, g)
-
-
-def _inputs(linears: list[Linear], rows: int, q: int, width: int, category: str,
-            input_counted: bool = False) -> list[TensorShape]:
-    """What linear layers reading one input of `width` keep: that input once, if any of them
-    keeps it (and it is not `input_counted` elsewhere); each adapter's dropped copy and mask
-    (lora_dropout > 0) and lora_A's output."""
-    out = []
-    if any(x.keeps_input for x in linears) and not input_counted:
-        out.append(TensorShape((rows, q, width), category=category))
-    for x in linears:
-        if x.lora_r and x.lora_dropout > 0:
-            out += [TensorShape((rows, q, width), "mask", category="dropout"),
-                    TensorShape((rows, q, width), category=category)]
-        if x.lora_r:
-            out.append(TensorShape((rows, q, x.lora_r), category=category))
-    return out
-
-
-def _weights(linears: list[Linear], fan_in: int, fan_out: int) -> list[TensorShape]:
-    """The weight gradients a backward allocates (before adding them to `.grad`)."""
-    return [TensorShape((fan_in, fan_out)) for x in linears if x.trains]
-
-
-def _dropout(p: float, shape: tuple[int, ...]) -> list[TensorShape]:
-    return [TensorShape(shape, "mask", category="dropout")] if p > 0 else []
-
-
-def _draws(p: float, shape: tuple[int, ...]) -> list[TensorShape]:
-    return [TensorShape(shape, "bool", category="draws")] if p > 0 else []
-
-
-def _matmuls(linears: list[Linear], widths: list[int], rows: int, q: int, fan_in: int,
-             inner: int) -> list[TensorShape]:
-    """The mm / addmm outputs of linear layers of `fan_in` inputs and `widths` outputs, with
-    their adapters' (lora_A, lora_B) and lora_dropout's draws, for model/recompute.py: a
-    matmul reducing over d_inner (`inner`) is its "ffn-out"."""
-    kind = lambda k: "ffn-out" if k == inner else "linear"  # noqa: E731
-    out = []
-    for x, w in zip(linears, widths, strict=True):
-        out.append(TensorShape((rows, q, w), category=kind(fan_in)))
-        if x.lora_r:
-            out += [TensorShape((rows, q, x.lora_r), category=kind(fan_in)),
-                    TensorShape((rows, q, w), category=kind(x.lora_r)),
-                    *_draws(x.lora_dropout, (rows, q, fan_in))]
-    return out
-
-
-def _moe_blocks(f: Base, lay: Layout, b: int, q: int, d: int, recompute: bool, mm
-                ) -> tuple[StatedBlock, ...]:
-    """The "ffn", "experts" and "ffn-out" blocks of a mixture-of-experts layer (module
-    docstring) over N = B·Q rows, S = k·N routed rows, as the `grouped_mm` experts
-    implementation runs them."""
-    m, t, lin, ex = f.moe, TensorShape, f.linears, lay.moe
-    n, k, e, i, si = b * q, f.moe.top_k, f.moe.experts, f.moe.size, f.moe.shared_size
-    s = k * n
-    shared = [lin[x] for x in ex.shared]
-    gate = [lin[ex.shared_gate]] if si else []
-    router = Linear(m.router.trains or m.router.adapted)
-    up_reads = m.gate_up.trains or m.gate_up.adapted
-    down_reads = m.down.trains or m.down.adapted
-    f32 = lambda shape: t(shape, "fp32", category="ffn")  # noqa: E731
-    saved = [*_norm(lay, b, q, d, f.norm_trains[lay.ffn_norm]),
-             *_inputs([router, *shared[:2], *gate], b, q, d, "ffn"),
-             *([t((e, d), category="ffn")] if m.router.adapted else []),
-             f32((n, e)),                                     # the router's softmax
-             t((n, k), "int64", category="ffn"),              # top-k's indices
-             *([f32((n, k)), f32((n, 1))] if m.renormalise else []),
-             # the load-balancing loss (router.py) redoes the softmax and the top-k (whose
-             # saved indices are freed with it at once: its values are not used; counted)
-             *([t((n, e), category="ffn"), t((n, k), "int64", category="ffn")]
-               if m.balance else []),
-             # the gather by expert, the weights' gather, the inverse permutation
-             t((s,), "int64", count=3, category="ffn"),
-             f32((e,)),                                       # int32 offsets, 4 B each
-             *([t((s, d), category="ffn")] if up_reads else []),
-             *([t((e, 2 * i, d), category="ffn")] if m.gate_up.adapted else [])]
-    if si:   # the shared expert: a dense SwiGLU over all N rows
-        saved.append(t((n, si), count=2 if recompute else 3, category="ffn"))
-    ffn = StatedBlock(
-        "ffn", saved=tuple(saved), alive=(t((b, q, d)),),
-        # gate_up's grouped matmul backward: its output's gradient, its input's and its
-        # weight's; the gather's scatter back to N rows; the norm's
-        phases=((t((s, 2 * i)), t((s, d)), t((b, q, d)),
-                 *([t((e, 2 * i, d))] if up_reads else [])),
-                _norm_backward(lay, b, q, d)),
-        trained_params=f.trained["ffn"],
-        ops=tuple(mm([router, *shared[:2], *gate], [e, *([si, si, 1] if si else [])], d)))
-    # The routed rows' gate and up outputs (one [S, 2I] storage: the SiLU reads a view of
-    # it) and the SiLU's output unless recomputed; freed once their backward has run, before
-    # gate_up's.
-    experts = StatedBlock(
-        "experts", saved=(t((s, 2 * i), category="ffn"),
-                          *([] if recompute else [t((s, i), category="ffn")])),
-        alive=(t((b, q, d)),),
-        # the product's gradient, SiLU(gate) (recomputed or kept) and the two operands'
-        # gradients; then SiLU's gradient beside up's and their [S, 2I] concatenation
-        phases=((t((s, i), count=4 if recompute else 3),), (t((s, i), count=2),
-                                                             t((s, 2 * i)))))
-    ffn_out = StatedBlock(
-        "ffn-out",
-        saved=(*([t((s, i), category="ffn")] if down_reads else []),
-               *([t((e, d, i), category="ffn")] if m.down.adapted else []),
-               t((s, d), category="ffn"),                     # the experts' output rows
-               t((s, 1), "fp32" if m.fp32_weights else "model", category="ffn"),
-               *(_inputs(shared[2:], b, q, si, "ffn") if si else []),
-               *([t((n, 1), category="ffn"), t((n, d), category="ffn")] if si else [])),
-        alive=(t((b, q, d)),),
-        phases=((t((s, d), "fp32" if m.fp32_weights else "model"), t((s, d)), t((s, i)),
-                 *([t((e, d, i))] if down_reads else [])),),
-        trained_params=f.trained["ffn-out"],
-        ops=tuple(mm(shared[2:], [d], si)) if si else (),
-        # the gathered rows (a local of the experts' forward, kept or not), the weighted
-        # rows and their copy back in token order, in the routing weights' dtype
-        forward=(*([] if up_reads else [t((s, d))]),
-                 t((s, d), "fp32" if m.fp32_weights else "model", count=2)))
-    return ffn, experts, ffn_out
 
 
 def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
@@ -442,18 +205,18 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
     qkv, ffn_in = [lin[x] for x in lay.qkv], [lin[x] for x in lay.ffn_in]
     kv = f.kv_heads * dh
     qkv_widths = [h * dh, kv, kv] if len(qkv) == 3 else [h * dh + 2 * kv]
-    mm = lambda xs, widths, fan_in: _matmuls(xs, widths, b, q, fan_in, inner)  # noqa: E731
+    mm = lambda xs, widths, fan_in: matmul_outputs(xs, widths, b, q, fan_in, inner)  # noqa: E731
     attention = StatedBlock(
         "attention",
-        saved=(*_norm(lay, b, q, d, f.norm_trains[lay.attn_norm]),
-               *_inputs(qkv, b, q, d, "qkv"),
+        saved=(*norm_saves(lay, b, q, d, f.norm_trains[lay.attn_norm]),
+               *linear_inputs(qkv, b, q, d, "qkv"),
                t((b, h, q, dh), category="qkv"),                 # q, k, v as SDPA reads them:
                # ARMT and RMT's "causal" pattern pass no mask, so transformers lets SDPA
                # read grouped keys and values (enable_gqa) instead of copies repeated to H
                t((b, f.kv_heads if no_mask else h, q, dh), count=2, category="qkv")),
         alive=(g,),
-        phases=((t((b, q, 3 * h * dh)), g, *_weights(qkv, d, h * dh)),   # the projections
-                _norm_backward(lay, b, q, d)),
+        phases=((t((b, q, 3 * h * dh)), g, *weight_grads(qkv, d, h * dh)),   # the projections
+                norm_backward(lay, b, q, d)),
         trained_params=f.trained["attention"],
         attention=mem.sdpa_calls or (SdpaShape(q, q, h, dh),),
         ops=tuple(mm(qkv, qkv_widths, d)))
@@ -461,12 +224,12 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
     # mechanism's own calls concatenate their outputs: o_proj keeps that copy.
     attention_out = StatedBlock(
         "attention-out",
-        saved=(*_inputs([lin[lay.out]], b, q, h * dh, "qkv",
+        saved=(*linear_inputs([lin[lay.out]], b, q, h * dh, "qkv",
                         input_counted=not mem.sdpa_calls),
-               *_dropout(f.dropout, (b, q, d))),
-        alive=(g,), phases=((g, g, *_weights([lin[lay.out]], h * dh, d)),),
+               *dropout_masks(f.dropout, (b, q, d))),
+        alive=(g,), phases=((g, g, *weight_grads([lin[lay.out]], h * dh, d)),),
         trained_params=f.trained["attention-out"],
-        ops=(*mm([lin[lay.out]], [d], h * dh), *_draws(f.dropout, (b, q, d))))
+        ops=(*mm([lin[lay.out]], [d], h * dh), *dropout_draws(f.dropout, (b, q, d))))
     # The activation's backward beside the gradient reaching it: two more [B, Q, I] (the
     # product's two operand gradients; the Python GELU's products), one for a single op.
     acts, act_grads = ACTIVATION_SAVES[f.activation], 3
@@ -481,28 +244,28 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
         act_grads = 2
     again = [t((b, q, inner))] if recompute else []   # the activation's output, recomputed
     if f.moe is not None:
-        ffn_blocks = _moe_blocks(f, lay, b, q, d, recompute, mm)
+        ffn_blocks = moe_blocks(f, lay, b, q, d, recompute, mm)
     else:
         ffn = StatedBlock(
             "ffn",
-            saved=(*_norm(lay, b, q, d, f.norm_trains[lay.ffn_norm]),
-                   *_inputs(ffn_in, b, q, d, "ffn"),
+            saved=(*norm_saves(lay, b, q, d, f.norm_trains[lay.ffn_norm]),
+                   *linear_inputs(ffn_in, b, q, d, "ffn"),
                    t((b, q, inner), count=acts, category="ffn")),
             alive=(g,),
             phases=((t((b, q, inner), count=act_grads),),
-                    (gi, g, *_weights(ffn_in, d, inner)),
-                    _norm_backward(lay, b, q, d)),
+                    (gi, g, *weight_grads(ffn_in, d, inner)),
+                    norm_backward(lay, b, q, d)),
             trained_params=f.trained["ffn"], ops=tuple(mm(ffn_in, [inner] * len(ffn_in), d)))
         ffn_out = StatedBlock(
             "ffn-out",
             # (non-gated: the projection's input is the activation's output, recomputed)
-            saved=(*_inputs([lin[lay.ffn_out]], b, q, inner, "ffn",
+            saved=(*linear_inputs([lin[lay.ffn_out]], b, q, inner, "ffn",
                             input_counted=recompute and not lay.gated),
-                   *_dropout(f.dropout, (b, q, d))),
-            alive=(g,), phases=((gi, *_weights([lin[lay.ffn_out]], inner, d),
+                   *dropout_masks(f.dropout, (b, q, d))),
+            alive=(g,), phases=((gi, *weight_grads([lin[lay.ffn_out]], inner, d),
                                  *(again if not lay.gated else [])),),
             trained_params=f.trained["ffn-out"],
-            ops=(*mm([lin[lay.ffn_out]], [d], inner), *_draws(f.dropout, (b, q, d))),
+            ops=(*mm([lin[lay.ffn_out]], [d], inner), *dropout_draws(f.dropout, (b, q, d))),
             # the activation's output while the projection reads it (unless kept as its
             # input), and the projection's output
             forward=(*([] if lin[lay.ffn_out].keeps_input and not (recompute and not lay.gated)
@@ -526,10 +289,10 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
     embedding = StatedBlock(
         "embedding",
         saved=(*ids, *mem.embedding_saved,        # e.g. where(fresh, init, memory); A, z
-               *_dropout(f.embd_dropout, (b, q, d)),
+               *dropout_masks(f.embd_dropout, (b, q, d)),
                *([t((b, q, dh), count=2, category="rotary")] if f.rotary else [])),
         alive=(g,), phases=(tuple(tables),),
-        trained_params=f.trained["embedding"], ops=tuple(_draws(f.embd_dropout, (b, q, d))),
+        trained_params=f.trained["embedding"], ops=tuple(dropout_draws(f.embd_dropout, (b, q, d))),
         # held through the decoder's forward by the callers' frames: E(x), the rows the
         # decoder reads and, with a learned position table, its rows
         forward=(t((b, n, d)), t((b, q, d)), *([t((b, q, d))] if f.positions else [])))
@@ -539,7 +302,7 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
     pad = -vocab % multiple if multiple > 0 else 0
     head = StatedBlock(
         "head",
-        saved=(*_norm(lay, b, q, d, f.norm_trains["final"]),
+        saved=(*norm_saves(lay, b, q, d, f.norm_trains["final"]),
                # the head's input rows, kept by the loss's chunks (model/loss.py) whether
                # lm_head trains or not; no [B·L, V] log-softmax: backward recomputes it
                t((nv, d), category="head"),
@@ -552,8 +315,8 @@ def segment_shapes(cfg, rows: int, mem_len: int) -> SegmentShapes:
         # one chunk's re-run: its logits, their fp32 log-softmax, its gradient and the
         # logits'; lm_head's backward: its input's gradient and its weight's; the final norm's
         phases=((t((rows, vocab), "fp32", 3), t((rows, vocab), "cast"), t((nv, d)),
-                 *_weights([f.head], vocab, d)),
-                (g, *_norm_backward(lay, b, q, d))),
+                 *weight_grads([f.head], vocab, d)),
+                (g, *norm_backward(lay, b, q, d))),
         # no ops a selective recompute policy could keep: the head runs outside the
         # segment's checkpoint (model/segment_lm.py)
         trained_params=f.trained["head"])
