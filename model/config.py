@@ -343,6 +343,8 @@ class BackboneTraits:
     position_ids: bool          # places rows at position ids (memory_positions, "causal")
     shape_from_checkpoint: bool  # the shape fields are read from a checkpoint (shape_read)
     own_softmax: bool           # its own (adaptive) softmax, which RMT's §3.4 aux loss reads
+    native_core: bool           # runs the mechanism's own core (`core_class`), not hooks
+    #                             around another model's layers
     check: Any = None           # (ModelConfig) -> None: its own options' validation
 
 
@@ -350,10 +352,11 @@ BACKBONE_TRAITS = {
     # The native relative-position stack (model/backbone.py): no memory is mechanism 'xl'
     # with mem_len 0.
     "native": BackboneTraits(xl_cache=True, base_without_memory=False, position_ids=False,
-                             shape_from_checkpoint=False, own_softmax=True),
+                             shape_from_checkpoint=False, own_softmax=True,
+                             native_core=True),
     # A pretrained Hugging Face causal LM (model/pretrained/).
     "hf": BackboneTraits(xl_cache=False, base_without_memory=True, position_ids=True,
-                         shape_from_checkpoint=True, own_softmax=False,
+                         shape_from_checkpoint=True, own_softmax=False, native_core=False,
                          check=ModelConfig._validate_pretrained),
 }
 BACKBONES = tuple(BACKBONE_TRAITS)

@@ -126,7 +126,7 @@ class Titans(Mechanism):
         if o.variant not in VARIANTS:
             raise ConfigError("model.titans.variant", f"unknown {o.variant!r}; choose one "
                               f"of {', '.join(VARIANTS)}")
-        if o.variant != "mac" and cfg.backbone != "native":
+        if o.variant != "mac" and not cfg.backbone_traits.native_core:
             raise ConfigError("model.titans.variant", f"{o.variant!r} runs on the native "
                               "stack only; around a pretrained decoder: 'mac'")
         if o.d_mem <= 0:
@@ -160,7 +160,7 @@ class Titans(Mechanism):
         native_only = {"update_input": "output", "read_as": "context", "output_gate": True,
                        "read_init_std": None}
         for name, default in native_only.items():
-            if getattr(o, name) != default and cfg.backbone != "native":
+            if getattr(o, name) != default and not cfg.backbone_traits.native_core:
                 raise ConfigError(f"model.titans.{name}", f"{getattr(o, name)!r} runs on the "
                                   f"native stack only; around a pretrained decoder: {default!r}")
         if (o.update_input != "output" or o.read_as != "context") and o.variant != "mac":
