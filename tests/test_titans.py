@@ -10,26 +10,11 @@ import math
 import pytest
 import torch
 from bptt_reach import CUTS, random_segments, segments_reached
+from titans_helpers import L, V, titans_model, token_4_changed
 
 from model import ConfigError, ModelConfig, build_model
 from model.memory import MemoryState
 from model.neural_memory import NeuralMemoryState
-
-V, L = 13, 6
-
-
-def titans_model(seed: int = 0, sharpen: bool = True, **titans) -> torch.nn.Module:
-    """A 2-layer float32 model; `titans` updates the section (e.g. variant="mag")."""
-    opts = {"d_mem": 8, "chunk_size": 4, "num_persistent": 2, **titans}
-    torch.manual_seed(seed)
-    model = build_model(ModelConfig(mechanism="titans", vocab_size=V, n_layer=2, d_model=16,
-                                    n_head=2, d_inner=32, dropout=0.0, tgt_len=L, mem_len=0,
-                                    pre_lnorm=True, titans=opts))
-    if sharpen:   # Eq. 25's gate starts at W_G = 0: give it values so the memory matters
-        with torch.no_grad():
-            for gate in model.core.memory_gate or ():
-                gate.proj.weight.normal_(0.0, 0.5)
-    return model.eval()
 
 
 @pytest.mark.parametrize(("field", "value"), [
@@ -61,143 +46,8 @@ def test_an_xl_cache_is_refused_at_construction_and_for_evaluation():
     assert err.value.field == "eval.mem_len"
 
 
-def test_the_mac_read_and_write_options_are_refused_for_mag_mal_and_a_pretrained_decoder():
-    """`update_input`, `read_as` and `output_gate` choose among MAC's (§4.1) read, write
-    and gate; MAG and MAL already read and write the layer's input, and MAG's output is
-    the gate. Around a pretrained decoder only the paper's MAC runs."""
-    for field, value in (("update_input", "input"), ("read_as", "residual"),
-                         ("output_gate", False), ("read_init_std", 0.1)):
-        for variant in ("mag", "mal") if field != "read_init_std" else ("mag",):
-            with pytest.raises(ConfigError) as err:
-                ModelConfig(mechanism="titans", mem_len=0,
-                            titans={"variant": variant, field: value})
-            assert err.value.field == f"model.titans.{field}"
-        with pytest.raises(ConfigError) as err:
-            ModelConfig(mechanism="titans", backbone="hf", mem_len=0, titans={field: value},
-                        hf={"path": "unused"})
-        assert err.value.field == f"model.titans.{field}"
-
-
-def _token_4_changed(model, x):
-    """(a1, b1, a2, b2): the first segment of x and of x with token 4 changed, and the
-    second segment of x read on each one's state."""
-    y = x.clone()
-    y[:, 4] = (y[:, 4] + 1) % V
-    a1, b1 = model(x[:, :L], None, return_log_probs=True), model(y[:, :L], None,
-                                                                 return_log_probs=True)
-    a2 = model(x[:, L:], a1.state, return_log_probs=True)
-    b2 = model(x[:, L:], b1.state, return_log_probs=True)
-    return a1, b1, a2, b2
-
-
 # (variant, model.titans.conv_size): every variant, and with §4.4's convolutions
 VARIANTS_CONV = [("mac", 0), ("mag", 0), ("mal", 0), ("mac", 3), ("mal", 3)]
-# MAC's read on the residual stream and its write with the layer input (alone, together,
-# without Eq. 25's gate, with the convolutions): the same properties as the paper's MAC.
-MAC_OPTIONS = [{"read_as": "residual"}, {"update_input": "input"},
-               {"read_as": "residual", "update_input": "input", "output_gate": False},
-               {"read_as": "residual", "update_input": "input", "conv_size": 3}]
-MAC_IDS = ["residual", "input", "residual-input-nogate", "residual-input-conv"]
-
-
-@pytest.mark.parametrize("options", MAC_OPTIONS, ids=MAC_IDS)
-def test_mac_options_keep_causality_carry_and_train_every_parameter(options):
-    """Each of MAC's read/write options: changing token 4 leaves tokens 0-3 exactly as
-    they were and changes the next segment (causal reads of the chunks before); the state
-    carries into the next segment and a reset row reads M_0; every parameter gets a
-    gradient over two segments."""
-    model = titans_model(**options)
-    x = torch.randint(0, V, (2, 2 * L), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        a1, b1, a2, b2 = _token_4_changed(model, x)
-        fresh = model(x[:, L:], None, return_log_probs=True).log_probs
-        reset = model(x[:, L:], a1.state.reset_rows(torch.tensor([True, False])),
-                      return_log_probs=True).log_probs
-    assert torch.equal(a1.log_probs[:, :4], b1.log_probs[:, :4])
-    assert (a1.log_probs[:, 4:] - b1.log_probs[:, 4:]).abs().max() > 1e-5
-    assert (a2.log_probs - b2.log_probs).abs().max() > 1e-5
-    assert (a2.log_probs - fresh).abs().max() > 1e-4
-    assert torch.equal(reset[0], fresh[0]) and torch.equal(reset[1], a2.log_probs[1])
-    model = titans_model(sharpen=False, **options).train()
-    z = torch.randint(0, V, (2, 2 * L + 1), generator=torch.Generator().manual_seed(6))
-    first = model(z[:, :L], None, targets=z[:, 1:L + 1])
-    second = model(z[:, L:2 * L], first.state, targets=z[:, L + 1:])
-    (first.loss + second.loss).backward()
-    assert [n for n, p in model.named_parameters() if p.grad is None] == []
-
-
-@pytest.mark.parametrize("update_input", ["output", "input"])
-def test_update_input_chooses_the_stream_the_memory_is_written_with(update_input):
-    """`update_input: input` writes layer 0's memory with the layer's input (the scaled
-    embeddings): its state after a segment is exactly NeuralMemory.update of M_0 with
-    them; the paper's `output` (Eq. 24, the attention's output y) writes something else."""
-    model = titans_model(update_input=update_input, conv_size=0)
-    x = torch.randint(0, V, (2, L), generator=torch.Generator().manual_seed(3))
-    mem = model.core.memory[0]
-    with torch.no_grad():
-        h0 = model.embedding(x)
-        state = model(x, None).state
-        m0 = [w[None].expand(2, -1, -1) for w in mem.initial_weights()]
-        want, _, _ = mem.update(m0, [torch.zeros_like(w) for w in m0], h0)
-    same = all(torch.allclose(s[:, 0], w, rtol=1e-6, atol=1e-7)
-               for s, w in zip(state.weights, want, strict=True))
-    assert same == (update_input == "input")
-
-
-def test_read_as_residual_drops_the_read_rows_from_the_attention():
-    """`read_as: residual` adds h_i to token i's row instead of entering it as L context
-    rows (Eq. 22): the layer attends over P + L keys, not P + 2L (segment_shapes)."""
-    from model.titans import TitansCore
-    cfg = ModelConfig(mechanism="titans", vocab_size=V, n_layer=2, d_model=16, n_head=2,
-                      d_inner=32, tgt_len=L, mem_len=0,
-                      titans={"d_mem": 8, "num_persistent": 2})
-    res = ModelConfig(mechanism="titans", vocab_size=V, n_layer=2, d_model=16, n_head=2,
-                      d_inner=32, tgt_len=L, mem_len=0,
-                      titans={"d_mem": 8, "num_persistent": 2, "read_as": "residual"})
-    assert TitansCore.segment_shapes(cfg, 2, 0).distances == 2 + 2 * L
-    assert TitansCore.segment_shapes(res, 2, 0).distances == 2 + L
-
-
-def test_read_init_std_draws_w_h_at_that_std_and_no_other_parameter_moves():
-    """`read_init_std` is W_H's initial std (null: `model.init_std`); W_H is drawn from a
-    fork of the generator, so the same seed gives every other parameter the same values
-    whatever the std. MAG has no W_H and refuses it."""
-    cfg = dict(mechanism="titans", vocab_size=V, n_layer=2, d_model=64, n_head=2,
-               d_inner=32, tgt_len=L, mem_len=0, dropout=0.0)
-    torch.manual_seed(0)
-    default = build_model(ModelConfig(**cfg, titans={"d_mem": 64}))
-    torch.manual_seed(0)
-    wide = build_model(ModelConfig(**cfg, titans={"d_mem": 64, "read_init_std": 0.125}))
-    for a, b in zip(default.core.memory_out, wide.core.memory_out, strict=True):
-        assert float(a.weight.std()) == pytest.approx(0.02, rel=0.05)
-        assert float(b.weight.std()) == pytest.approx(0.125, rel=0.05)
-    other = {k: v for k, v in wide.state_dict().items() if ".memory_out." not in k}
-    for k, v in default.state_dict().items():
-        if ".memory_out." not in k:
-            assert torch.equal(v, other[k]), k
-    with pytest.raises(ConfigError) as err:
-        ModelConfig(mechanism="titans", mem_len=0,
-                    titans={"variant": "mag", "read_init_std": 0.1})
-    assert err.value.field == "model.titans.read_init_std"
-
-
-def test_without_the_output_gate_the_model_is_the_gated_one_at_initialisation():
-    """`output_gate: false` builds no Eq. 25 gate (o = y); given the gated model's other
-    parameters it computes exactly what the gated model computes at W_G = 0 (2 sigmoid(0)
-    = 1), in every segment."""
-    gated = titans_model(sharpen=False)
-    plain = titans_model(sharpen=False, output_gate=False)
-    assert plain.core.memory_gate is None
-    missing = plain.load_state_dict(gated.state_dict(), strict=False)
-    assert missing.missing_keys == [] and all(k.startswith("core.memory_gate.")
-                                              for k in missing.unexpected_keys)
-    x = torch.randint(0, V, (2, 2 * L), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        a = gated(x[:, :L], None, return_log_probs=True)
-        b = plain(x[:, :L], None, return_log_probs=True)
-        a2 = gated(x[:, L:], a.state, return_log_probs=True).log_probs
-        b2 = plain(x[:, L:], b.state, return_log_probs=True).log_probs
-    assert torch.equal(a.log_probs, b.log_probs) and torch.equal(a2, b2)
 
 
 @pytest.mark.parametrize("variant,conv_size", VARIANTS_CONV)
@@ -210,7 +60,7 @@ def test_a_token_sees_neither_later_tokens_nor_their_memory_reads(variant, conv_
     model = titans_model(variant=variant, conv_size=conv_size)
     x = torch.randint(0, V, (2, 2 * L), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        a1, b1, a2, b2 = _token_4_changed(model, x)
+        a1, b1, a2, b2 = token_4_changed(model, x)
     assert torch.equal(a1.log_probs[:, :4], b1.log_probs[:, :4])
     assert (a1.log_probs[:, 4:] - b1.log_probs[:, 4:]).abs().max() > 1e-5
     assert (a2.log_probs - b2.log_probs).abs().max() > 1e-5
@@ -442,27 +292,3 @@ def test_memtrain_train_runs_titans_around_a_pretrained_model_and_resumes_exactl
     resumed = step_losses(run_dir)
     assert sorted(whole) == list(range(1, COPY_STEPS + 1)) and whole[COPY_STEPS] != whole[1]
     assert resumed == pytest.approx(whole, rel=1e-5)
-
-
-def test_train_says_when_the_write_can_get_no_gradient():
-    """One chunk per segment and bptt.depth 0: every read is of memory the segments before
-    wrote, and no gradient crosses a segment, so the write's parameters get exactly zero
-    gradient; `memtrain train` says so (Mechanism.training_notes). With a smaller chunk
-    or BPTT they get one, and nothing is said."""
-    one_chunk = titans_model(chunk_size=L).train()
-    note = one_chunk.cfg.mech.training_notes
-    [line] = note(one_chunk.cfg, 0)
-    assert "bptt.depth 0" in line and "W_K, W_V" in line
-    assert note(one_chunk.cfg, 1) == []
-    assert note(titans_model(chunk_size=L // 2).cfg, 0) == []
-
-    def write_grads(model):
-        model.zero_grad()
-        x = torch.randint(0, V, (2, L + 1), generator=torch.Generator().manual_seed(3))
-        first = model(x[:, :L], None, targets=x[:, 1:])
-        model(x[:, :L], first.state.detach(), targets=x[:, 1:]).loss.backward()   # depth 0
-        return [p.grad for n, p in model.named_parameters()
-                if ".k_proj" in n or ".v_proj" in n]
-    assert all(g is None or not g.any() for g in write_grads(one_chunk))
-    two_chunks = titans_model(chunk_size=L // 2).train()
-    assert any(g is not None and g.any() for g in write_grads(two_chunks))
