@@ -15,6 +15,14 @@ step, and the time wall time after a synchronisation. `--gemm` also times the he
 (forward and both backward products) at V and at V padded to a multiple of 128 (50,304 for
 GPT-2), the padding's whole case: an aligned vocabulary.
 
+On CUDA two more variants run, the fused libraries of `model.loss_backend`
+(model/fused_loss.py): "liger" (Liger Kernel's fused linear cross-entropy) and "cce" (Cut
+Cross-Entropy), each timed and measured as above where it imports, and compared with the
+chunked path on the same rows: the max relative difference of the per-row NLL, the hidden
+rows' gradient and the head weight's gradient, and of both paths against a float32 chunked
+reference (in bf16 the two paths round differently; the reference says which is nearer).
+Where a library does not import the variant reports "not installed"; on the CPU "not run".
+
 What a step holds that neither path can avoid: the hidden rows [N, d], the head's weight and
 its gradient [V, d], the hidden rows' gradient. The plain path adds three float32 [N, V]
 buffers at its peak (the up-cast logits, the saved log-softmax, its gradient), each
@@ -34,16 +42,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from model.fused_loss import fused_rows, linear_head  # noqa: E402
 from model.loss import chunk_rows, logits_nll, segment_nll  # noqa: E402
+from model.typed import ConfigError  # noqa: E402
 
 VARIANTS = ("plain", "chunked")
+FUSED = ("liger", "cce")   # model.loss_backend's libraries: CUDA only
 SHAPE_FLAGS = ("rows", "vocab", "d_model", "dtype", "answer_share", "threads", "seed",
                "device")
 
 
-def loss_step(a, variant: str, head, hidden, targets, mask) -> float:
+def loss_step(a, variant: str, head, hidden, targets, mask, fused=None) -> float:
     """One forward + backward of the loss; returns its seconds (CPU time; on a GPU wall
-    time after a synchronisation)."""
+    time after a synchronisation). `fused`: a fused library's rows (the variants FUSED)."""
     clock = common.step_clock(a.device)
     start = clock()
     h = hidden.detach().requires_grad_()
@@ -52,7 +63,8 @@ def loss_step(a, variant: str, head, hidden, targets, mask) -> float:
         loss = (nll * mask).sum() / mask.sum()
     else:
         rows_nll = lambda x, t: logits_nll(head(x), t)   # noqa: E731
-        loss = segment_nll(rows_nll, h, targets, mask, chunk_rows(a.vocab)).sum() / mask.sum()
+        loss = segment_nll(rows_nll, h, targets, mask, chunk_rows(a.vocab),
+                           fused).sum() / mask.sum()
     loss.backward()
     elapsed = clock() - start
     head.zero_grad(set_to_none=True)
@@ -79,6 +91,35 @@ def gemm_times(a, rounds: int = 10) -> dict:
     return out
 
 
+def _nll_and_grads(head, hidden, targets, mask, fused=None):
+    """The chunked (or `fused`) per-row NLL and the gradients of its masked mean."""
+    h = hidden.detach().requires_grad_()
+    nll = segment_nll(lambda x, t: logits_nll(head(x), t), h, targets, mask,
+                      chunk_rows(head.out_features), fused)
+    grads = torch.autograd.grad(nll.sum() / mask.sum(), [h, head.weight])
+    return [t.detach().float() for t in (nll, *grads)]
+
+
+def _rel(ours, ref) -> dict:
+    names = ("nll", "grad_hidden", "grad_weight")
+    return {n: float((x - r).abs().max() / r.abs().max().clamp(min=1e-30))
+            for n, x, r in zip(names, ours, ref, strict=True)}
+
+
+def compare(head, hidden, targets, mask, fused) -> dict:
+    """Max relative differences: the fused path against the chunked one, and each against
+    the chunked path in float32 (the reference for bf16, where both round)."""
+    chunked = _nll_and_grads(head, hidden, targets, mask)
+    ours = _nll_and_grads(head, hidden, targets, mask, fused)
+    head32 = torch.nn.Linear(head.in_features, head.out_features, bias=False).to(
+        hidden.device, torch.float32)
+    with torch.no_grad():
+        head32.weight.copy_(head.weight)
+    ref = _nll_and_grads(head32, hidden.float(), targets, mask)
+    return {"vs_chunked": _rel(ours, chunked), "fused_vs_fp32": _rel(ours, ref),
+            "chunked_vs_fp32": _rel(chunked, ref)}
+
+
 def child(a) -> None:
     spec = json.loads(a._child)
     torch.manual_seed(a.seed)
@@ -87,12 +128,20 @@ def child(a) -> None:
     hidden = torch.randn(1, a.rows, a.d_model, dtype=dtype, device=dev)
     targets = torch.randint(0, a.vocab, (1, a.rows))        # the host copy, as in training
     mask = torch.rand(1, a.rows) < a.answer_share
-    loss_step(a, spec["variant"], head, hidden, targets, mask)   # warm-up
+    fused = None
+    if spec["variant"] in FUSED:
+        try:   # the option's own dispatch: refuses a library that does not import
+            fused = fused_rows(spec["variant"], linear_head(head), hidden)
+        except ConfigError as e:
+            status = "not installed" if "does not import" in str(e) else "not run"
+            print(json.dumps({"status": status, "why": str(e)}))
+            return
+    loss_step(a, spec["variant"], head, hidden, targets, mask, fused)   # warm-up
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         before = torch.cuda.memory_allocated(dev)
-        step_s = loss_step(a, spec["variant"], head, hidden, targets, mask)
+        step_s = loss_step(a, spec["variant"], head, hidden, targets, mask, fused)
         peak = (torch.cuda.max_memory_allocated(dev) - before) / 2**20
     else:
         before = common.status_kib("VmRSS")
@@ -100,7 +149,9 @@ def child(a) -> None:
             f.write("5")  # reset VmHWM to the current RSS
         step_s = loss_step(a, spec["variant"], head, hidden, targets, mask)
         peak = (common.status_kib("VmHWM") - before) / 1024
-    out = {"peak_mb": peak, "step_s": step_s}
+    out = {"status": "ran", "peak_mb": peak, "step_s": step_s}
+    if fused is not None:
+        out.update(compare(head, hidden, targets, mask, fused))
     if spec.get("gemm"):
         out["gemm"] = gemm_times(a)
     print(json.dumps(out))
@@ -149,6 +200,24 @@ def main(argv=None) -> int:
     results["time_ratio"] = results["chunked"]["step_s"] / results["plain"]["step_s"]
     print(f"chunked / plain: peak {results['peak_ratio']:.3f}, "
           f"time {results['time_ratio']:.2f}")
+    for name in FUSED:
+        if torch.device(a.device).type != "cuda":
+            results[name] = {"status": "not run", "why": "the fused kernels run on CUDA only"}
+        else:
+            results[name] = common.run_child(__file__, a, {"variant": name}, SHAPE_FLAGS)
+        r = results[name]
+        if r["status"] != "ran":
+            print(f"  {name:<8} {r['status']}: {r['why']}")
+            continue
+        d, ref = r["vs_chunked"], r["chunked_vs_fp32"]
+        print(f"  {name:<8} peak {r['peak_mb']:7.0f} MiB   step {r['step_s']:.3f} {unit}   "
+              f"{name} / chunked: time {r['step_s'] / results['chunked']['step_s']:.2f}; "
+              f"max rel. diff vs chunked: nll {d['nll']:.2e}, grad hidden "
+              f"{d['grad_hidden']:.2e}, grad weight {d['grad_weight']:.2e} (chunked vs fp32: "
+              f"{ref['nll']:.2e}, {ref['grad_hidden']:.2e}, {ref['grad_weight']:.2e}; "
+              f"{name} vs fp32: {r['fused_vs_fp32']['nll']:.2e}, "
+              f"{r['fused_vs_fp32']['grad_hidden']:.2e}, "
+              f"{r['fused_vs_fp32']['grad_weight']:.2e})", flush=True)
     if a.gemm:
         g = results["gemm"] = results["plain"].pop("gemm")
         print(f"head GEMMs: V {g['V']['vocab']} {g['V']['median_s'] * 1e3:.2f} ms, "

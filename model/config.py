@@ -20,9 +20,12 @@ from typing import Any
 
 # ConfigError lives with the typed builder (one error for every config tree); it is imported
 # here so `from model.config import ConfigError` and `model.ConfigError` stay the same class.
-from .typed import ConfigError, build_dataclass
+from .typed import ConfigError, build_dataclass, check_choice
 
 ATTN_IMPLS = ("fused", "plain")
+# The LM loss's kernels (model/fused_loss.py): "auto", the chunked PyTorch path
+# (model/loss.py), Liger Kernel's or Cut Cross-Entropy's fused linear cross-entropy (CUDA).
+LOSS_BACKENDS = ("auto", "chunked", "liger", "cce")
 # torch.compile backends training may use (model/compiled.py).
 COMPILE_BACKENDS = ("inductor", "aot_eager")
 FINETUNE_MODES = ("full", "frozen", "lora")
@@ -132,6 +135,11 @@ class ModelConfig:
     # compile troubleshooting does, and starts in seconds where a cold Inductor build takes
     # minutes).
     compile_backend: str = "inductor"
+    # The LM loss's head + cross-entropy: "chunked" (model/loss.py, PyTorch, any device),
+    # "liger" or "cce" (a fused CUDA library, refused where it cannot run), "auto" (a fused
+    # library on CUDA where it is installed and the head is one plain linear layer, else
+    # chunked). The same per-row NLL either way (model/fused_loss.py).
+    loss_backend: str = "auto"
     hf: PretrainedOptions = field(default_factory=PretrainedOptions)
     # The options section of every registered mechanism, by section name (module
     # docstring); `to_dict` writes them as `model.<section>`.
@@ -222,6 +230,7 @@ class ModelConfig:
             BACKBONE_TRAITS[self.backbone].check(self)
         if self.shape_read:
             self._validate_shape()
+        self._validate_loss_backend()
         self.check_lengths(self.mem_len, self.clamp_len, self.same_length)
         mech.validate(self)
 
@@ -248,6 +257,23 @@ class ModelConfig:
             raise ConfigError("model.compile_backend", f"unknown {self.compile_backend!r}; "
                               f"choose one of {', '.join(COMPILE_BACKENDS)}")
         self._validate_adaptive()
+
+    def _validate_loss_backend(self) -> None:
+        check_choice("model.loss_backend", self.loss_backend, LOSS_BACKENDS)
+        if self.loss_backend in ("auto", "chunked"):
+            return
+        if self.backbone_traits.own_softmax:
+            if self.cutoffs:
+                raise ConfigError("model.loss_backend", f"{self.loss_backend!r} takes one "
+                                  "linear head; the adaptive softmax (model.cutoffs) has "
+                                  "clusters: use auto or chunked")
+            if self.loss_backend == "cce":
+                raise ConfigError("model.loss_backend", "'cce' takes no head bias and the "
+                                  "native softmax has one: use liger, auto or chunked")
+        elif self.hf.vocab_multiple:
+            raise ConfigError("model.loss_backend", f"{self.loss_backend!r} reads the "
+                              "unpadded head; model.hf.vocab_multiple pads the chunked "
+                              "path's GEMM: set it to 0, or the backend to auto or chunked")
 
     def check_lengths(self, mem_len: int, clamp_len: int, same_length: bool,
                       section: str = "model") -> None:

@@ -19,6 +19,7 @@ from torch import nn
 from .adaptive import AdaptiveEmbedding, AdaptiveSoftmax, tie_embeddings
 from .backbone import RelativeBackbone
 from .config import ModelConfig
+from .fused_loss import fused_rows, softmax_head
 from .loss import chunk_rows, segment_nll
 from .memory import MemoryState
 from .segment_lm import LMOutput, SegmentLM, add_lm_loss
@@ -83,8 +84,10 @@ class MemoryLM(SegmentLM):
             return out
         # The softmax module is called per chunk, so a sharding wrapper's hooks gather its
         # weights at the chunk's re-run in backward too; its clusters route from host targets.
+        # `model.loss_backend`: on CUDA a fused library where the softmax is one linear head.
+        fused = fused_rows(self.cfg.loss_backend, softmax_head(self.softmax), hidden)
         nll = segment_nll(self.softmax, hidden, targets, loss_mask,
-                          chunk_rows(self.softmax.head_width))
+                          chunk_rows(self.softmax.head_width), fused)
         add_lm_loss(out, nll, loss_mask)
         # The mechanism's weighted auxiliary loss (RMT §3.4), apart from the LM loss: the
         # training step adds it for backward (train/bptt.py).

@@ -16,6 +16,9 @@ mask when the caller passes one, so choosing them never makes the host wait for 
 
 The head is called as a function of (hidden rows, target rows), so it runs through the
 modules themselves: hooks of a sharding wrapper gather their parameters at the re-run too.
+
+On CUDA a fused library's head + cross-entropy may take the chunks' place (`segment_nll`'s
+`fused`, chosen by `model.loss_backend` in model/fused_loss.py); this module stays PyTorch.
 """
 
 from __future__ import annotations
@@ -143,16 +146,26 @@ class SupervisedRows:
 
 
 def segment_nll(rows_nll: RowsNLL, hidden: torch.Tensor, targets: torch.Tensor,
-                loss_mask: torch.Tensor | None, rows: int) -> torch.Tensor:
+                loss_mask: torch.Tensor | None, rows: int,
+                fused: RowsNLL | None = None) -> torch.Tensor:
     """hidden [B, L, d], targets [B, L] (host or device), loss_mask [B, L] bool or None ->
     NLL [B, L], 0 where the mask is False: the head reads only supervised rows, in chunks
-    (`chunked_nll`)."""
+    (`chunked_nll`), or, where `fused` is given, all of them in one call of it (a fused
+    library's head + cross-entropy, model/fused_loss.py: the same float32 NLL per row). No
+    supervised rows always take the chunks, which give every head parameter a zero
+    gradient."""
     bsz, seg = targets.shape
     flat_h = hidden.reshape(bsz * seg, hidden.shape[-1])
     flat_t = targets.reshape(-1)
+
+    def nll_of(h, t):
+        if fused is not None and h.shape[0]:
+            return fused(h, t)
+        return chunked_nll(rows_nll, h, t, rows)
+
     if loss_mask is None:
-        return chunked_nll(rows_nll, flat_h, flat_t, rows).view(bsz, seg)
+        return nll_of(flat_h, flat_t).view(bsz, seg)
     picked = SupervisedRows(loss_mask, flat_h.device)
-    nll = chunked_nll(rows_nll, picked.take(flat_h), picked.take(flat_t), rows)
+    nll = nll_of(picked.take(flat_h), picked.take(flat_t))
     full = nll.new_zeros(bsz * seg)
     return full.index_copy(0, picked.device, nll).view(bsz, seg)

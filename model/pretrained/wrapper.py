@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
+from ..fused_loss import fused_rows, linear_head
 from ..loss import chunk_rows, cut_logits, logits_nll, padded_head, segment_nll
 from ..memory import MemoryState
 from ..segment_lm import LMOutput, SegmentLM, add_lm_loss
@@ -32,7 +33,7 @@ from .logits import lm_logits
 from .positions import check_accepts_positions
 from .probe import probe
 from .router import find_router
-from .traits import check_rows
+from .traits import check_rows, traits_of
 
 
 class PretrainedMemoryLM(SegmentLM):
@@ -119,7 +120,13 @@ class PretrainedMemoryLM(SegmentLM):
         else:   # the head GEMM over a padded vocabulary (model.hf.vocab_multiple)
             def rows_nll(h, t):
                 return logits_nll(lm_logits(self.base, h, cut_logits(h, padded, vocab)), t)
-        nll = segment_nll(rows_nll, hidden, targets, loss_mask, chunk_rows(vocab))
+        # `model.loss_backend`: on CUDA a fused library where the head is one plain linear
+        # layer whose logits the architecture uses as they are; the padded GEMM is chunked.
+        steps = traits_of(self.base).logits
+        fused = None if padded is not None else fused_rows(
+            self.cfg.loss_backend, f"the architecture post-processes its logits {steps}"
+            if steps else linear_head(head), hidden)
+        nll = segment_nll(rows_nll, hidden, targets, loss_mask, chunk_rows(vocab), fused)
         add_lm_loss(out, nll, loss_mask)
         # The base model's forward adds its weighted load-balancing loss to the loss of
         # every forward given labels (router.py).
