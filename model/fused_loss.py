@@ -15,8 +15,12 @@ never holding the [rows, V] logits at all:
   "none")`. Only from 0.8.2: before it, the per-row loss's backward scaled every row's
   gradient by the first row's upstream gradient (the library's changelog for 0.8.2, "Fix
   wrong grad_weight/grad_bias for fused linear cross entropy with reduction='none'"), so an
-  older version is refused as if it were not installed. Its forward reads the number of
-  rows to score on the host (one device sync per call).
+  older version is refused as if it were not installed.
+
+Each library's forward makes the host wait for the device once per call (it counts the rows
+that are not `ignore_index`: CCE with a `nonzero`, Liger with an `.item()`); the chunked
+path never waits (tests/test_sync_free.py), so on CUDA that wait is the price of the fused
+kernels, one per segment scored.
 
 Both return the float32 NLL of every row they are given; model/loss.py gives them only the
 supervised rows and scatters the result, exactly as its chunks do, so what is computed (the
