@@ -36,6 +36,7 @@ from test_armt_costs import (  # noqa: E402
 )
 from test_sync_free_pretrained import model, window_syncs  # noqa: E402
 
+from model import associative_grad  # noqa: E402
 from model.associative import AssociativeMemory  # noqa: E402
 from model.pretrained.tiny import tiny_gpt2, tiny_llama  # noqa: E402
 
@@ -45,17 +46,21 @@ def traffic(tmp: Path) -> None:
     print("| access to A_l | backward, per segment (of it written) | backward incl. the "
           "checkpointed segment's re-run (written) | largest ops (backward) |\n"
           "|---|---|---|---|")
-    now = AssociativeMemory.layers
-    for name, access in (("select per use (before)", per_use_select), ("one unbind", now)):
-        AssociativeMemory.layers = access
+    layers, fast = AssociativeMemory.layers, associative_grad.fast_path
+    plain = lambda *t: False  # noqa: E731
+    for name, access, path_kind in (
+            ("plain autograd, a select per use", per_use_select, plain),
+            ("plain autograd, one unbind", layers, plain),
+            ("hand-written backward (model/associative_grad.py)", layers, fast)):
+        AssociativeMemory.layers, associative_grad.fast_path = access, path_kind
         try:
-            plain, _, plain_w = per_segment(path, False)
+            plain_seg, _, plain_w = per_segment(path, False)
             ckpt, _, ckpt_w = per_segment(path, True)
             _, by_op, _, _ = state_traffic(path, 3, False)
         finally:
-            AssociativeMemory.layers = now
+            AssociativeMemory.layers, associative_grad.fast_path = layers, fast
         top = ", ".join(f"{k} {v:.1f}" for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:3])
-        print(f"| {name} | {plain:.1f} ({plain_w:.1f}) x \\|A\\| | {ckpt:.1f} ({ckpt_w:.1f}) "
+        print(f"| {name} | {plain_seg:.1f} ({plain_w:.1f}) x \\|A\\| | {ckpt:.1f} ({ckpt_w:.1f}) "
               f"x \\|A\\| | {top} (3 segments) |")
 
 

@@ -96,7 +96,7 @@ class ARMT(RelativeBackbone):
                  TensorShape((rows, q), "fp32"),                   # phi^T z + eps
                  TensorShape((rows, m, d_key), "fp32", count=2),   # write: relu(+-W_k m)
                  TensorShape((rows, m, d_phi), "fp32", count=3),   # factors, phi (as bmm's)
-                 TensorShape((rows, m, d), "fp32", count=3),       # v, phi^T A, beta (v-vbar)
+                 TensorShape((rows, m, d), "fp32", count=2),       # phi^T A, v - vbar
                  TensorShape((rows, m), "fp32", count=6))          # beta, dens, gamma
         state_read = (TensorShape((rows, d_phi, d), "fp32"), TensorShape((rows, d_phi), "fp32"))
         layer = LayerShape((attn,), out_rows=q, input_rows=q, input_saved=True, saved=saved,
@@ -144,10 +144,10 @@ class ARMT(RelativeBackbone):
 
         token_inputs, A_new, z_new, h = [], [], [], x
         bias = self.bias_tensors()
-        A_in, z_in = state.layers()
+        A_in, z_in, grad_A = state.layers()
         for i, (layer, block) in enumerate(zip(self.layers, self.associative, strict=True)):
-            A_i, z_i = A_in[i], z_in[i]
-            h = block.read(A_i, z_i, h)
+            z_i = z_in[i]
+            h, A_i = block.read_passing(A_in[i], z_i, h, grad_A, i)
             token_inputs.append(h[:, :n_tok])
             u, v = self.biases(i, bias)
             h = self.run_layer(layer, h, cache.hids[i] if c_now else None, r_emb, u, v,

@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .associative_grad import StateGradient, delta_write, read_numerator, unbind_layers
 from .memory import MemoryState, XLMemory, _register, _zero_rows
 
 EPS = 1e-5  # the authors' code adds 1e-5 to every denominator
@@ -141,12 +142,16 @@ class AssociativeMemory(MemoryState):
         zero-fills a whole [B, n_layer, d_phi, d_v] gradient."""
         return self.A[:, l], self.z[:, l]
 
-    def layers(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """Every layer's A_l and z_l, as views from one `unbind` of A and of z. Its
-        backward is one stack of the per-layer gradients (|A| written once), where a select
-        per read and per write (`layer`) makes 2 n_layer zero-filled |A|-sized gradients
-        and their sum (docs/armt-costs.md, "State traffic in backward")."""
-        return self.A.unbind(1), self.z.unbind(1)
+    def layers(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...],
+                              StateGradient | None]:
+        """Every layer's A_l and z_l, as views from one `unbind` of A and of z, and the
+        buffer that every layer's read writes its slice of dL/dA into (None outside
+        training): backward then writes the state's gradient once, with neither a stack of
+        per-layer gradients nor, as a select per read and per write (`layer`) would,
+        2 n_layer zero-filled |A|-sized gradients and their sum (docs/armt-costs.md,
+        "State traffic in backward")."""
+        A_layers, grad = unbind_layers(self.A)
+        return A_layers, self.z.unbind(1), grad
 
     def written(self, A_layers: list[torch.Tensor], z_layers: list[torch.Tensor],
                 cache: XLMemory | None = None,
@@ -305,10 +310,6 @@ class AssociativeLayer(nn.Module):
             dtype = torch.promote_types(dtype, t.dtype)
         return dtype
 
-    def _lookup(self, A, z, f):
-        """phi^T A [B, n, d_v] and phi^T z [B, n] for features f [B, n, d_phi]."""
-        return torch.einsum("bnf,bfv->bnv", f, A), torch.einsum("bnf,bf->bn", f, z)
-
     def _floored(self, den: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
         """phi^T z as a divisor: at least `denominator_floor` * |phi|^2 when a floor is set
         (gamma reads the raw phi^T z)."""
@@ -319,13 +320,18 @@ class AssociativeLayer(nn.Module):
     def retrieve(self, A: torch.Tensor, z: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """o_t = phi(W_q h_t)^T A / (phi(W_q h_t)^T z + eps): [B, T, d_v], float32 (or
         float64 when A or hidden are)."""
+        return self._retrieve(A, z, hidden)[0]
+
+    def _retrieve(self, A, z, hidden, grad: StateGradient | None = None, l: int = 0):
+        """(the read o, A as this layer's write takes it: `read_passing`)."""
         ct = self._compute_dtype(A, hidden)
         if self.read_precision == "bf16" and ct == torch.float32:
-            return self._retrieve_bf16(A, z, hidden)
+            return self._retrieve_bf16(A, z, hidden), A
         f = self.phi(self.q_proj(hidden).to(ct))
-        num, den = self._lookup(A.to(ct), z.to(ct), f)
+        num, A = read_numerator(A.to(ct), f, grad, l)
+        den = torch.einsum("bnf,bf->bn", f, z.to(ct))
         self._track(den, f, z)
-        return num / (self._floored(den, f) + self.eps)[..., None]
+        return num / (self._floored(den, f) + self.eps)[..., None], A
 
     def _retrieve_bf16(self, A: torch.Tensor, z: torch.Tensor, hidden: torch.Tensor
                        ) -> torch.Tensor:
@@ -346,10 +352,19 @@ class AssociativeLayer(nn.Module):
     def read(self, A: torch.Tensor, z: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """hidden + o (through the output projection if d_value != d_model), in hidden's
         dtype: the layer's input with what the memory associates to each position."""
-        out = self.retrieve(A, z, hidden)
+        return self.read_passing(A, z, hidden)[0]
+
+    def read_passing(self, A: torch.Tensor, z: torch.Tensor, hidden: torch.Tensor,
+                     grad: StateGradient | None = None, l: int = 0
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`read`, and A as this layer's `write` must take it: in training the read
+        then assembles the gradient of A_l from its own and the write's in one baddbmm,
+        into layer l's slot of the segment's `grad` buffer (`AssociativeMemory.layers`;
+        model/associative_grad.py). Outside training A comes back as it went in."""
+        out, A = self._retrieve(A, z, hidden, grad, l)
         if self.out_proj is not None:
             out = self.out_proj(out.to(self.out_proj.weight.dtype))
-        return hidden + out.to(hidden.dtype)
+        return hidden + out.to(hidden.dtype), A
 
     def write(self, A: torch.Tensor, z: torch.Tensor,
               mem_hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -364,8 +379,7 @@ class AssociativeLayer(nn.Module):
             beta = torch.sigmoid(self.gate(mem_hidden).to(ct))[..., 0]  # [B, m]
         else:
             beta = torch.ones(f.shape[:2], dtype=ct, device=f.device)
-        num, den = self._lookup(A, z, f)
-        v_old = num / (self._floored(den, f) + self.eps)[..., None]   # vbar_i
+        den = torch.einsum("bmf,bf->bm", f, z)
         if self.correction and self.authors_gamma:
             gamma = (1 - (den + self.eps) / (f.square().sum(-1) + self.eps)).clamp(0, 1)
             first = (z == 0).all(-1)[:, None]
@@ -374,8 +388,8 @@ class AssociativeLayer(nn.Module):
             gamma = (1 - den / (f.square().sum(-1) + self.eps)).clamp(0, 1).detach()
         else:
             gamma = torch.ones_like(den)
-        # sum_i phi(k_i) (beta_i (v_i - vbar_i))^T as one batched matmul: a three-operand
-        # einsum may form (and save for backward) the m-times-larger [B, d_phi * d_v, m].
-        A_new = A + torch.einsum("bmf,bmv->bfv", f, (v - v_old) * beta[..., None])
+        # A + sum_i phi(k_i) (beta_i (v_i - vbar_i))^T, vbar_i = (phi(k_i)^T A) r_i, as one
+        # baddbmm whose backward is written by hand (model/associative_grad.py).
+        A_new = delta_write(A, f, v, beta, self._floored(den, f) + self.eps)
         z_new = z + torch.einsum("bmf,bm->bf", f, gamma)
         return A_new, z_new

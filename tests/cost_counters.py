@@ -4,10 +4,13 @@ watch every aten op through a TorchDispatchMode, so they count what a GPU would 
 (the same ops, the same shapes) while running on the CPU.
 
 - `StateTraffic`: for each op, the bytes of its tensor inputs (read) and outputs (written)
-  whose trailing dimensions are the associative state's [d_phi, d_v] or its transpose
-  [d_v, d_phi] (what a matmul against A^T reads): A, a layer's A_l, and their gradients.
-  A select's backward that zero-fills a whole [B, n_layer, d_phi, d_v] gradient to place
-  one layer's slice counts its full output, as the GPU writes it.
+  that are batched (3 dims or more) and whose trailing dimensions are the associative
+  state's [d_phi, d_v] or its transpose [d_v, d_phi] (what a matmul against A^T reads): A,
+  a layer's A_l, and their gradients; a 2-D weight of the same shape is not state (GPT-2's
+  fused [d, 3d] attention weight is when d_phi = 3d). A select's backward that zero-fills a
+  whole [B, n_layer, d_phi, d_v] gradient to place one layer's slice counts its full
+  output, as the GPU writes it. An allocation moves nothing, an `out=` tensor is written
+  only, and an expanded (stride-0) dimension is read once.
 - `LiveBytes`: the bytes of every storage an op created that is still referenced, after
   each op; `peak` is the largest sum seen. Parameters and inputs made before the mode was
   entered are not counted (they are the same in every run compared).
@@ -27,6 +30,18 @@ def _tensors(tree):
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
+# Ops that only allocate: a GPU's caching allocator hands out the block, no byte moves.
+_ALLOCATIONS = {"empty", "empty_strided", "new_empty", "new_empty_strided"}
+
+
+def _distinct(t: torch.Tensor) -> int:
+    """Elements a read of t touches: an expanded (stride-0) dimension is one element wide."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        n *= size if stride else 1
+    return n
+
+
 class StateTraffic(TorchDispatchMode):
     """Bytes read and written on tensors whose last two dims are `trailing` or its
     transpose."""
@@ -38,14 +53,19 @@ class StateTraffic(TorchDispatchMode):
         self.by_op: Counter = Counter()
 
     def _bytes(self, tensors) -> int:
-        return sum(t.numel() * t.element_size() for t in tensors
-                   if t.dim() >= 2 and tuple(t.shape[-2:]) in self.trailing)
+        return sum(_distinct(t) * t.element_size() for t in tensors
+                   if t.dim() >= 3 and tuple(t.shape[-2:]) in self.trailing)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        # A view moves no bytes; its consumer's read is counted.
-        if not (isinstance(func, torch._ops.OpOverload) and func.is_view):
-            r, w = self._bytes(_tensors((args, kwargs))), self._bytes(_tensors(out))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        # A view moves no bytes (its consumer's read is counted), nor does an allocation.
+        name = func.overloadpacket.__name__ if isinstance(func, torch._ops.OpOverload) else ""
+        if not (isinstance(func, torch._ops.OpOverload) and func.is_view) \
+                and name not in _ALLOCATIONS:
+            # An `out=` tensor is written, not read.
+            read = _tensors((args, {k: v for k, v in kwargs.items() if k != "out"}))
+            r, w = self._bytes(read), self._bytes(_tensors(out))
             self.read += r
             self.written += w
             if r or w:

@@ -83,24 +83,30 @@ def associative_pass(layers: nn.ModuleList, blocks: nn.ModuleList, state: Associ
     writes = SegmentWrites(A=[None] * len(layers), z=[None] * len(layers))
     # One unbind for every hook (AssociativeMemory.layers), inside the segment's forward, so
     # a checkpointed segment's re-run makes its own.
-    A_in, z_in = state.layers()
+    A_in, z_in, grad_A = state.layers()
+    # Layer i's A_l as its read hands it on (AssociativeLayer.read_passing): the write takes
+    # it, so that backward assembles the gradient of A_l in one place.
+    passed = list(A_in)
 
     def run(fn, *args):
         return _checkpoint(fn, *args, use_reentrant=False) if checkpoint else fn(*args)
 
     def read_hook(i: int, block: AssociativeLayer):
+        def read(A, z, h):
+            return block.read_passing(A, z, h, grad_A, i)
+
         def hook(module, args, kwargs):
-            A, z = A_in[i], z_in[i]
             if args:   # the hidden states come first, positionally or by name
-                return (run(block.read, A, z, args[0]), *args[1:]), kwargs
-            return args, {**kwargs,
-                          "hidden_states": run(block.read, A, z, kwargs["hidden_states"])}
+                h, passed[i] = run(read, A_in[i], z_in[i], args[0])
+                return (h, *args[1:]), kwargs
+            h, passed[i] = run(read, A_in[i], z_in[i], kwargs["hidden_states"])
+            return args, {**kwargs, "hidden_states": h}
         return hook
 
     def write_hook(i: int, block: AssociativeLayer):
         def hook(module, args, output):
-            A, z = A_in[i], z_in[i]
-            writes.A[i], writes.z[i] = run(block.write, A, z, _hidden(output)[:, n_tok:])
+            writes.A[i], writes.z[i] = run(block.write, passed[i], z_in[i],
+                                           _hidden(output)[:, n_tok:])
         return hook
 
     handles = []
@@ -125,10 +131,11 @@ def associative_shapes(cfg, rows: int, q: int, m: int, trained_params: int
     tensors): the read's input h, the two ReLU outputs of DPFP, its two factors and phi(q)
     (which the einsum keeps when A requires grad: from a window's second segment on), phi^T A
     and phi^T z (the division's operands); the write's inputs (each projection copies the
-    strided memory rows), the ReLU outputs, the factors and phi(k), vbar's operands, v - vbar
-    and its gated product, beta. In a window's first segment phi(q) is not kept (A does not
-    require grad). Last, the incoming A and z, which every layer's einsums read: for the
-    segment's input side (the embedding block, which layer checkpointing leaves alone);
+    strided memory rows), the ReLU outputs, the factors and phi(k), and what the write's
+    hand-written backward keeps (model/associative_grad.py): phi(k)^T A, v - vbar, beta and
+    phi(k)^T z + eps; the z update keeps gamma. In a window's first segment phi(q) is not
+    kept (A does not require grad). Last, the incoming A and z, which every layer reads:
+    for the segment's input side (the embedding block, which layer checkpointing leaves alone);
     made inside the window from its second segment on, in its first one they are the
     carried state itself (counted once more)."""
     o, t = cfg.armt, TensorShape
@@ -140,7 +147,7 @@ def associative_shapes(cfg, rows: int, q: int, m: int, trained_params: int
         saved=(t((b, q, d), category="extra"), fp32(b, q, dk, n=2), fp32(b, q, d_phi, n=3),
                fp32(b, q, d), fp32(b, q, 1),
                t((b, m, d), count=3, category="extra"), fp32(b, m, dk, n=2),
-               fp32(b, m, d_phi, n=3), fp32(b, m, d, n=3), fp32(b, m, 1, n=3)),
+               fp32(b, m, d_phi, n=3), fp32(b, m, d, n=2), fp32(b, m, 1, n=3)),
         alive=(t((b, q, d)),),
         # the features' and the retrieved values' fp32 gradients, A's from read and write
         phases=((t((b, q, d_phi), "fp32", 2), t((b, q, d), "fp32", 2),
