@@ -112,6 +112,11 @@ def run_memtrain(tokens, repeats, args, reset: bool) -> dict:
         with torch.no_grad():
             for w in model.core.memory_out or ():
                 w.weight.normal_(0.0, args.read_std)
+    if args.memory_init == "xavier":   # screening only: M_0 as titans-pytorch's MemoryMLP
+        with torch.no_grad():
+            for mem in model.core.memory:
+                for w in mem.init:
+                    torch.nn.init.xavier_uniform_(w.value)
     if args.abs_pos:   # screening only: titans-pytorch's inputs carry absolute positions
         pos = torch.arange(SEG, dtype=torch.float32)[:, None]
         freq = torch.exp(torch.arange(0, args.dim, 2) * (-math.log(100.0) / args.dim))
@@ -207,6 +212,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--read-std", type=float, default=None,
                    help="memtrain: redraw W_H (the read's projection) at this std after "
                         "the build (a screening knob; default: model.init_std)")
+    p.add_argument("--memory-init", default="normal", choices=["normal", "xavier"],
+                   help="memtrain: the memory's initial weights M_0 as built (N(0, 1/d_in)) or "
+                        "redrawn Xavier-uniform after the build, as titans-pytorch's "
+                        "MemoryMLP draws them (a screening knob)")
     p.add_argument("--abs-pos", action="store_true",
                    help="memtrain: add a sinusoid of each token's position in its segment to "
                         "the embeddings (a screening knob: titans-pytorch's inputs carry "

@@ -140,13 +140,19 @@ class NeuralMemoryState(MemoryState):
 
 
 # -- the memory MLP and its per-token gradients --------------------------------------------
-def mlp(weights: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """M(x): x [B, n, d_in] through the per-row matrices [B, d_in_i, d_out_i], SiLU between."""
+NORM_EPS = 1e-5     # the layer norm of `residual` (F.layer_norm's default)
+
+
+def mlp(weights: list[torch.Tensor], x: torch.Tensor, residual: bool = False) -> torch.Tensor:
+    """M(x): x [B, n, d_in] through the per-row matrices [B, d_in_i, d_out_i], SiLU between.
+    `residual`: x + LayerNorm(M(x)) (the layer norm without learned scale; TTT's form,
+    titans-pytorch's default memory), d_in = d_out."""
+    out = x
     for i, w in enumerate(weights):
-        x = torch.bmm(x, w)
+        out = torch.bmm(out, w)
         if i < len(weights) - 1:
-            x = F.silu(x)
-    return x
+            out = F.silu(out)
+    return x + F.layer_norm(out, out.shape[-1:], eps=NORM_EPS) if residual else out
 
 
 def _silu_grad(z: torch.Tensor) -> torch.Tensor:
@@ -155,23 +161,33 @@ def _silu_grad(z: torch.Tensor) -> torch.Tensor:
 
 
 def surprise_factors(weights: list[torch.Tensor], k: torch.Tensor, v: torch.Tensor,
-                     q: torch.Tensor | None = None):
+                     q: torch.Tensor | None = None, residual: bool = False):
     """The gradient of Eq. 12 at `weights`, for every token at once, as factors: for matrix
     i, (a [B, n, d_in_i], delta [B, n, d_out_i]) with grad_i(token t) = a_t^T delta_t (the
     backward of the MLP written out, so the outer training differentiates through it).
     Also returns the per-token loss [B, n], and the reads M(q) [B, m, d_out] of the rows q
     [B, m, d_in] (None without q): at the same weights, so through the same matmuls (the
-    rows of q before those of k, one matmul per matrix for both)."""
+    rows of q before those of k, one matmul per matrix for both). `residual`: M is
+    x + LayerNorm(MLP(x)) (`mlp`), the error passed back through the layer norm."""
     m = 0 if q is None else q.shape[1]
     tokens = (lambda t: t) if q is None else (lambda t: t[:, m:])    # the rows of k
-    inputs, pre, x = [], [], k if q is None else torch.cat([q, k], dim=1)
+    rows = x = k if q is None else torch.cat([q, k], dim=1)
+    inputs, pre = [], []
     for i, w in enumerate(weights):
         inputs.append(tokens(x))
         z = torch.bmm(x, w)
         pre.append(tokens(z))
         x = F.silu(z) if i < len(weights) - 1 else z
+    if residual:
+        normed = F.layer_norm(x, x.shape[-1:], eps=NORM_EPS)
+        x = rows + normed
     err = tokens(x) - v
     delta = 2 * err                                   # d ||M(k) - v||^2 / d M(k)
+    if residual:    # back through y = (z - mean z) / std z: (g - mean g - y mean(g y)) / std
+        y = tokens(normed)
+        inv_std = torch.rsqrt(pre[-1].var(-1, unbiased=False, keepdim=True) + NORM_EPS)
+        delta = inv_std * (delta - delta.mean(-1, keepdim=True)
+                           - y * (delta * y).mean(-1, keepdim=True))
     factors = [None] * len(weights)
     for i in range(len(weights) - 1, -1, -1):
         factors[i] = (inputs[i], delta)
@@ -215,7 +231,8 @@ def chunks_weights(theta: torch.Tensor, log_eta: torch.Tensor, log_keep: torch.T
 
 def update_chunk(weights: list[torch.Tensor], momentum: list[torch.Tensor],
                  q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, coeffs,
-                 max_grad_norm: float | None = None, fused: bool = False):
+                 max_grad_norm: float | None = None, fused: bool = False,
+                 at: list[torch.Tensor] | None = None, residual: bool = False):
     """(M_end, S_end, reads) after one chunk of the tokens k, v [B, b, d] (Eq. 13-14,
     chunked §3.2) with the chunk's `coeffs` (chunk_weights): every gradient at `weights`,
     the chunk's start, and the reads M*(q) of the rows q at those weights (None without q).
@@ -223,12 +240,16 @@ def update_chunk(weights: list[torch.Tensor], momentum: list[torch.Tensor],
     norm (|a_t^T delta_t| = |a_t| |delta_t|, so the clip is a factor on the token's
     coefficient). `fused`: the reads share the surprise's matmuls and the two sums of
     gradients one matmul per matrix (fewer kernels, for the compiled step; eager, the extra
-    concatenations and slices cost more ops than the matmuls they save)."""
-    if fused:
-        factors, _, read = surprise_factors(weights, k, v, q)
+    concatenations and slices cost more ops than the matmuls they save). `at`: the weights
+    the gradients are taken at, if not the chunk's start (`surprise_at: initial`, the
+    learned M_0; the reads stay at `weights`). `residual`: the memory x + LayerNorm(MLP(x))
+    (`mlp`)."""
+    if fused and at is None:
+        factors, _, read = surprise_factors(weights, k, v, q, residual)
     else:
-        read = mlp(weights, q) if q is not None else None
-        factors, _, _ = surprise_factors(weights, k, v)
+        read = mlp(weights, q, residual) if q is not None else None
+        factors, _, _ = surprise_factors(weights if at is None else at, k, v,
+                                         residual=residual)
     w_s, w_m, e_end, c_s0, a_end = coeffs
     new_w, new_s = [], []
     for w0, s0, (a, delta) in zip(weights, momentum, factors, strict=True):
@@ -250,12 +271,14 @@ def update_chunk(weights: list[torch.Tensor], momentum: list[torch.Tensor],
 
 def chunk_step(weights: list[torch.Tensor], momentum: list[torch.Tensor],
                q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, coeffs,
-               max_grad_norm: float | None = None):
+               max_grad_norm: float | None = None, at: list[torch.Tensor] | None = None,
+               residual: bool = False):
     """One chunk of the loop (§3.2) as `model.titans.compiled_chunks` compiles it:
     `update_chunk`, fused. Every full chunk calls it with the same shapes, so it is compiled
     once and reused for every chunk of every layer (model/compiled.py
     `compiled_chunk_step`)."""
-    return update_chunk(weights, momentum, q, k, v, coeffs, max_grad_norm, fused=True)
+    return update_chunk(weights, momentum, q, k, v, coeffs, max_grad_norm, fused=True, at=at,
+                        residual=residual)
 
 
 def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
@@ -274,7 +297,8 @@ class NeuralMemory(nn.Module):
                  max_forget: float = 1.0, forget_bias: float = -4.0,
                  lr_bias: float = 0.0, momentum_bias: float = 0.0,
                  max_grad_norm: float | None = None, conv_size: int = 0,
-                 compile_backend: str | None = None):
+                 compile_backend: str | None = None, surprise_at: str = "chunk",
+                 residual_norm: bool = False, qk_norm: str = "l2"):
         super().__init__()
         if depth < 1:
             raise ValueError(f"memory depth must be >= 1, got {depth}")
@@ -299,6 +323,21 @@ class NeuralMemory(nn.Module):
         self.chunk_size = chunk_size
         self.max_lr, self.max_momentum, self.max_forget = max_lr, max_momentum, max_forget
         self.max_grad_norm = max_grad_norm
+        # Where Eq. 12's gradient is taken: "chunk", at the weights of each chunk's start
+        # (§3.2, Eq. 16); "initial", at the learned initial weights M_0 for every token of
+        # every segment (what titans-pytorch's NeuralMemory does over a whole sequence when
+        # its `batch_size` is unset), so the memory is M_0's gradients summed under the
+        # momentum and forgetting, and the reads stay at the current weights.
+        self.surprise_at = surprise_at
+        # M(x) = x + LayerNorm(MLP(x)) (TTT's memory, titans-pytorch's default; the paper's
+        # §3.1 memory is the plain MLP): the memory starts near the identity on its keys.
+        if residual_norm and dims[0] != dims[-1]:
+            raise ValueError("a residual memory needs d_in = d_out")
+        self.residual_norm = residual_norm
+        # "l2": q and k l2-normalised (§4.4). "rms_input": the memory's input x RMS-normalised
+        # (a learned scale, 1 at init) before W_Q, W_K, W_V and the gates, q and k not
+        # normalised (titans-pytorch's NeuralMemory: `pre_rmsnorm`, no q/k norm).
+        self.in_norm = nn.RMSNorm(d_model) if qk_norm == "rms_input" else None
         # `model.titans.compiled_chunks`: the torch.compile backend of the chunk step
         # (`chunk_step`) in training, None: eager (model/compiled.py).
         self.compile_backend = compile_backend
@@ -313,10 +352,12 @@ class NeuralMemory(nn.Module):
         d_model], the stream's last rows of the previous segment: `carry`), which are
         joined to x once for all the projections."""
         if self.convs is None:
+            x = self.in_norm(x) if self.in_norm is not None else x
             return [getattr(self, f"{n}_proj")(x) for n in names]
         if tail is None:
             raise ValueError("a memory with convolutions needs the stream's tail rows")
         rows = torch.cat([tail.to(x.dtype), x], dim=1)
+        rows = self.in_norm(rows) if self.in_norm is not None else rows
         return [self.convs[n](getattr(self, f"{n}_proj")(rows).transpose(1, 2)).transpose(1, 2)
                 for n in names]
 
@@ -331,19 +372,23 @@ class NeuralMemory(nn.Module):
         return torch.cat([tail.to(x.dtype), x], dim=1)[:, n:]
 
     def query(self, x: torch.Tensor, dtype: torch.dtype, tail=None) -> torch.Tensor:
-        """q = normalise(x W_Q) (Eq. 15, §4.4), in the memory's dtype."""
-        return F.normalize(self.project("q", x, tail)[0].to(dtype), dim=-1)
+        """q = normalise(x W_Q) (Eq. 15, §4.4), in the memory's dtype (not normalised with
+        `qk_norm: rms_input`, whose input is)."""
+        return self._qk(self.project("q", x, tail)[0].to(dtype))
+
+    def _qk(self, t: torch.Tensor) -> torch.Tensor:
+        return F.normalize(t, dim=-1) if self.in_norm is None else t
 
     def retrieve(self, weights: list[torch.Tensor], x: torch.Tensor,
                  tail: torch.Tensor | None = None) -> torch.Tensor:
         """M*(q) for the rows of x [B, n, d_model] (Eq. 15; no update): [B, n, d_mem] in
         float32 (float64 if the weights are). `tail`: x's stream before it (`project`)."""
         ct = _compute_dtype(weights[0], x)
-        return mlp([w.to(ct) for w in weights], self.query(x, ct, tail))
+        return mlp([w.to(ct) for w in weights], self.query(x, ct, tail), self.residual_norm)
 
     def gate_values(self, x: torch.Tensor, ct: torch.dtype):
         """(theta, log eta, log(1 - alpha)), each [B, n], from x (§3.1, data-dependent)."""
-        z = self.gates(x).to(ct)
+        z = self.gates(self.in_norm(x) if self.in_norm is not None else x).to(ct)
         theta = self.max_lr * torch.sigmoid(z[..., 0])
         if self.max_momentum > 0:
             log_eta = (math.log(self.max_momentum) + F.logsigmoid(z[..., 1])).clamp(min=LOG_FLOOR)
@@ -376,13 +421,11 @@ class NeuralMemory(nn.Module):
         momentum = [s.to(ct) for s in momentum]
         same = read is x             # the reads' queries from the same joined rows
         k, v, *q = self.project("kvq" if same else "kv", x, tail)
-        k = F.normalize(k.to(ct), dim=-1)
+        k = self._qk(k.to(ct))
         v = v.to(ct)
         theta, log_eta, log_keep = self.gate_values(x, ct)
-        if same:
-            q = F.normalize(q[0].to(ct), dim=-1)
-        else:   # no convolutions here (refused above)
-            q = self.query(read, ct) if read is not None else None
+        # the reads' queries: of the same joined rows, or of `read` (no convolutions there)
+        q = self._qk(q[0].to(ct)) if same else self.query(read, ct) if read is not None else None
         # Split once, not sliced per chunk: a slice's backward writes its gradient into a
         # zero tensor of the whole sequence, once per chunk (quadratic in the chunks).
         # The gates' coefficients of all chunks at once: they do not depend on the memory.
@@ -392,12 +435,16 @@ class NeuralMemory(nn.Module):
         full = last = update_chunk
         if self.compile_backend is not None and torch.is_grad_enabled():
             full, last = compiled_chunk_step(chunk_step, self.compile_backend), chunk_step
+        at = None
+        if self.surprise_at == "initial":
+            at = [w.to(ct)[None].expand(k.shape[0], -1, -1) for w in self.initial_weights()]
         reads = []
         for c, (kc, vc) in enumerate(zip(k.split(b, dim=1), v.split(b, dim=1), strict=True)):
             # A shorter last chunk (once per segment) runs eager: no graph of its own.
             step = full if kc.shape[1] == b else last
             qc = qs[c] if qs is not None else None
             weights, momentum, r = step(weights, momentum, qc, kc, vc, coeffs[c],
-                                        self.max_grad_norm)
+                                        self.max_grad_norm, at=at,
+                                        residual=self.residual_norm)
             reads.append(r)
         return weights, momentum, (torch.cat(reads, dim=1) if qs is not None else None)

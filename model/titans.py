@@ -71,6 +71,8 @@ def neural_memory(cfg: ModelConfig) -> NeuralMemory:
                         max_forget=o.max_forget, max_grad_norm=o.max_grad_norm,
                         conv_size=o.conv_size, lr_bias=o.lr_bias,
                         momentum_bias=o.momentum_bias, forget_bias=o.forget_bias,
+                        surprise_at=o.surprise_at, residual_norm=o.memory_residual,
+                        qk_norm=o.qk_norm,
                         compile_backend=cfg.compile_backend if o.compiled_chunks else None)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from titans_helpers import L, V, titans_model, token_4_changed
+from titans_helpers import L, V, naive_memory, titans_model, token_4_changed
 
 from model import ConfigError, ModelConfig, build_model
 
@@ -160,3 +160,84 @@ def test_train_says_when_the_write_can_get_no_gradient():
     assert all(g is None or not g.any() for g in write_grads(one_chunk))
     two_chunks = titans_model(chunk_size=L // 2).train()
     assert any(g is not None and g.any() for g in write_grads(two_chunks))
+
+
+def _memory64(**kw):
+    """A float64 NeuralMemory, its input [2, 7, 12] and perturbed start weights/momentum."""
+    from model.neural_memory import NeuralMemory
+    torch.manual_seed(0)
+    mem = NeuralMemory(12, 6, depth=2, max_lr=0.7, max_forget=0.5, forget_bias=-1.0,
+                       max_grad_norm=None, **kw).double()
+    x = torch.randn(2, 7, 12, dtype=torch.float64)
+    m0 = [w.detach()[None].repeat(2, 1, 1) for w in mem.initial_weights()]
+    start = [w + 0.1 * torch.randn_like(w) for w in m0]
+    return mem, x, m0, start, [0.05 * torch.randn_like(w) for w in start]
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_surprise_at_initial_takes_every_gradient_at_m0(chunk):
+    """`surprise_at: initial` takes Eq. 12's gradient of every token at the learned M_0,
+    not at its chunk's start (§3.2), whatever the weights the segment starts from: equal
+    to a float64 token loop with every gradient at M_0, at any chunk size; the default
+    equals the loop with the chunk-start gradients, and the two differ."""
+    mem, x, m0, start, mom = _memory64(chunk_size=chunk, surprise_at="initial")
+    got_w, got_s, _ = mem.update(start, mom, x)
+    want_w, want_s = naive_memory(mem, x, start, mom, at=m0)
+    for a, b in zip(got_w + got_s, want_w + want_s, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    mem.surprise_at = "chunk"
+    at_chunks, _, _ = mem.update(start, mom, x)
+    loop, _ = naive_memory(mem, x, start, mom)
+    torch.testing.assert_close(at_chunks[0], loop[0], rtol=1e-9, atol=1e-11)
+    assert (at_chunks[0] - got_w[0]).abs().max() > 1e-4
+
+
+def test_memory_residual_is_x_plus_the_layer_norm_of_the_mlp():
+    """`memory_residual`: M(x) = x + LayerNorm(MLP(x)) (TTT's memory, titans-pytorch's
+    default): the update equals the float64 token loop of that memory (the layer norm's
+    backward written out in surprise_factors, autograd in the loop), the read is
+    q + LayerNorm(MLP(q)), and without it both are the plain MLP's."""
+    import torch.nn.functional as F
+
+    from model.neural_memory import mlp
+    mem, x, _, start, mom = _memory64(chunk_size=3, residual_norm=True)
+    got_w, got_s, read = mem.update(start, mom, x, read=x)
+    want_w, want_s = naive_memory(mem, x, start, mom)
+    for a, b in zip(got_w + got_s, want_w + want_s, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    q = mem.query(x[:, :3], torch.float64)
+    plain = mlp(start, q)
+    torch.testing.assert_close(read[:, :3], q + F.layer_norm(plain, (6,), eps=1e-5))
+    mem.residual_norm = False
+    plain_w, _, plain_read = mem.update(start, mom, x, read=x)
+    torch.testing.assert_close(plain_read[:, :3], plain)
+    assert (plain_w[0] - got_w[0]).abs().max() > 1e-4
+
+
+def test_qk_norm_rms_input_normalises_the_memory_input_and_adds_only_its_scale():
+    """`qk_norm: rms_input` RMS-normalises the memory's input before W_Q, W_K, W_V and the
+    gates and leaves q and k unnormalised (titans-pytorch's NeuralMemory): the write is
+    unchanged by the input's scale (with l2 only k and q are: v grows with it), and the
+    model's only new parameters are the norms' scales, every other one as drawn before."""
+    mem, x, _, start, mom = _memory64(chunk_size=3, qk_norm="rms_input")
+    a, _, _ = mem.update(start, mom, x)
+    b, _, _ = mem.update(start, mom, 3 * x)
+    torch.testing.assert_close(a[0], b[0])
+    k = mem.k_proj(x * torch.rsqrt(x.square().mean(-1, keepdim=True) + torch.finfo(x.dtype).eps))
+    torch.testing.assert_close(mem.project("k", x, None)[0], k)
+    mem.in_norm = None
+    a, _, _ = mem.update(start, mom, x)
+    b, _, _ = mem.update(start, mom, 3 * x)
+    assert (a[0] - b[0]).abs().max() > 1e-3
+    plain, rms = titans_model(), titans_model(qk_norm="rms_input")
+    extra = set(rms.state_dict()) - set(plain.state_dict())
+    assert extra == {f"core.memory.{i}.in_norm.weight" for i in range(2)}
+    for k, v in plain.state_dict().items():
+        assert torch.equal(v, rms.state_dict()[k]), k
+
+
+@pytest.mark.parametrize("field,value", [("surprise_at", "end"), ("qk_norm", "rms")])
+def test_the_new_memory_choices_are_refused_by_their_field(field, value):
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(mechanism="titans", mem_len=0, titans={field: value})
+    assert err.value.field == f"model.titans.{field}"

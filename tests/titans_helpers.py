@@ -34,3 +34,31 @@ def token_4_changed(model, x):
     a2 = model(x[:, L:], a1.state, return_log_probs=True)
     b2 = model(x[:, L:], b1.state, return_log_probs=True)
     return a1, b1, a2, b2
+
+
+def naive_memory(mem, x, weights, momentum, at=None):
+    """`mem.update` of x [B, n, d_model] (float64) one token at a time, written from the
+    paper's Eq. 12-14 (§3.1) with the gradient by autograd: at the weights of the token's
+    chunk start (§3.2), or at `at` for every token (`surprise_at: initial`); the memory
+    x + LayerNorm(MLP(x)) when `mem.residual_norm`. No clip."""
+    import torch.nn.functional as F
+
+    from model.neural_memory import mlp
+    k, v = mem.project("kv", x, None)
+    k = mem._qk(k)
+    theta, log_eta, log_keep = mem.gate_values(x, torch.float64)
+    eta, keep = log_eta.exp(), log_keep.exp()
+    weights, momentum = [w.clone() for w in weights], [s.clone() for s in momentum]
+    for t in range(x.shape[1]):
+        if at is None and t % mem.chunk_size == 0:
+            start = [w.detach().clone() for w in weights]
+        point = [w.detach().clone().requires_grad_(True) for w in (start if at is None else at)]
+        with torch.enable_grad():
+            pred = mlp(point, k[:, t:t + 1])               # the plain MLP (§3.1)
+            if mem.residual_norm:   # written out here, not through mlp's flag
+                pred = k[:, t:t + 1] + F.layer_norm(pred, pred.shape[-1:], eps=1e-5)
+            grads = torch.autograd.grad((pred - v[:, t:t + 1]).square().sum(), point)
+        for i, g in enumerate(grads):
+            momentum[i] = eta[:, t, None, None] * momentum[i] - theta[:, t, None, None] * g
+            weights[i] = keep[:, t, None, None] * weights[i] + momentum[i]
+    return weights, momentum

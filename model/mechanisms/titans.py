@@ -27,6 +27,8 @@ from .registry import Mechanism, register
 VARIANTS = ("mac", "mag", "mal")
 UPDATE_INPUTS = ("output", "input")
 READ_AS = ("context", "residual")
+SURPRISE_AT = ("chunk", "initial")
+QK_NORMS = ("l2", "rms_input")
 MAX_DEPTH = 4
 
 
@@ -91,6 +93,18 @@ class TitansOptions:
     # stream the read on the residual stream learns with 1 / sqrt(d_mem) and barely with
     # 0.02 (docs/titans.md, "Why it did not learn, by difference").
     read_init_std: float | None = None
+    # Where the memory's gradient (Eq. 12) is taken: "chunk", at the weights of each
+    # chunk's start (§3.2, Eq. 16); "initial", at the learned initial weights M_0 for every
+    # token (titans-pytorch's NeuralMemory with its `batch_size` unset: every gradient of a
+    # sequence at the weights it started with). The reads use the current weights in both.
+    surprise_at: str = "chunk"
+    # The memory M(x) = x + LayerNorm(MLP(x)) (TTT's form, titans-pytorch's default memory;
+    # the layer norm without a learned scale) instead of the paper's plain MLP (§3.1).
+    memory_residual: bool = False
+    # "l2": q and k l2-normalised (§4.4); "rms_input": the memory's input RMS-normalised (a
+    # learned scale) before W_Q, W_K, W_V and the gates, q and k not (titans-pytorch's
+    # NeuralMemory defaults).
+    qk_norm: str = "l2"
 
 
 @register
@@ -157,6 +171,8 @@ class Titans(Mechanism):
                               f"kernel over a row and the ones before it), got {o.conv_size}")
         check_choice("model.titans.update_input", o.update_input, UPDATE_INPUTS)
         check_choice("model.titans.read_as", o.read_as, READ_AS)
+        check_choice("model.titans.surprise_at", o.surprise_at, SURPRISE_AT)
+        check_choice("model.titans.qk_norm", o.qk_norm, QK_NORMS)
         native_only = {"update_input": "output", "read_as": "context", "output_gate": True,
                        "read_init_std": None}
         for name, default in native_only.items():
