@@ -20,7 +20,7 @@ a fresh memory (full BPTT over its n segments, one backward per window, as
            (gradients accumulated, loss / n), one optimizer update per n segments.
   --recompute POLICY[+lastN],...   more checkpointed variants, what a run config sets with
            `bptt.recompute: POLICY` and `bptt.keep_last_segments: N` (run_window's
-           recompute= and keep_last_segments=; model/recompute.py): e.g. full+last1 (only
+           recompute= and keep_last_segments=; train/recompute.py): e.g. full+last1 (only
            the last segment not checkpointed), save-ffn-out:1, save-linear+last1. Measured
            in both parts at the same n as ckpt and unroll.
 
@@ -67,8 +67,8 @@ from benchmarks.common import (  # noqa: E402
 )
 from data_pipeline.streams import SegmentBatch  # noqa: E402
 from model import ModelConfig, build_model  # noqa: E402
-from model.recompute import parse_policy  # noqa: E402
 from train.bptt import run_window  # noqa: E402
+from train.recompute import parse_policy  # noqa: E402
 
 MODES = ("ckpt", "unroll", "base")
 

@@ -160,7 +160,7 @@ def compiled_chunk_step(chunk_step, backend: str):
     `chunk_step` itself where it cannot be compiled on its own: inside another compiled
     graph (`model.compile` on the native stack traces the chunk loop into the stack's
     graph) and under a Python dispatch mode (a selective `bptt.recompute` policy's,
-    model/recompute.py, which torch.compile does not trace)."""
+    train/recompute.py, which torch.compile does not trace)."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
     if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
         return chunk_step

@@ -3,27 +3,29 @@
     out = model(tokens, state, targets=..., loss_mask=...)
     out.loss, out.nll, out.state          # carry out.state into the next segment
 
-`SegmentLM` holds what every model shares (run-time memory lengths, segment checkpointing
-with its recompute policy); the native stack (model/lm.py `MemoryLM`) and a pretrained
-backbone with memory tokens (model/pretrained/wrapper.py) build their layers, `decode` (the
-segment's hidden states and the next memory) and `score` (the head and the loss).
+`SegmentLM` holds what every model shares (run-time memory lengths, a forward that runs the
+decoder the way its caller says: segment checkpointing is applied from train/); the native
+stack (model/lm.py `MemoryLM`) and a pretrained backbone with memory tokens
+(model/pretrained/wrapper.py) build their layers, `decode` (the segment's hidden states and
+the next memory) and `score` (the head and the loss).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from .backbone import Lengths
 from .config import ModelConfig
 from .memory import MemoryState
 from .open_segment import RerunSegment
-from .recompute import context_fn
+
+# (decode, tokens, state) -> decode(tokens, state)'s (hidden, new state), run some way.
+DecodeRunner = Callable[..., tuple[torch.Tensor, MemoryState]]
 
 
 @dataclass
@@ -56,8 +58,8 @@ def add_lm_loss(out: LMOutput, nll: torch.Tensor, loss_mask: torch.Tensor | None
 
 
 class SegmentLM(nn.Module):
-    """What every model the engine trains shares: (tokens, memory) -> LMOutput, run-time
-    lengths, and segment checkpointing. Subclasses build their layers, `decode` and `score`."""
+    """What every model the engine trains shares: (tokens, memory) -> LMOutput and run-time
+    lengths. Subclasses build their layers, `decode` and `score`."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -93,54 +95,31 @@ class SegmentLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, state: MemoryState | None = None,
                 targets: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
-                return_log_probs: bool = False, checkpoint_segment: bool = False,
-                recompute: str = "full") -> LMOutput:
+                return_log_probs: bool = False, run_decode: DecodeRunner | None = None
+                ) -> LMOutput:
         """tokens [B, L] -> LMOutput. targets [B, L] are the next tokens, on the device or
         on the host (the training step passes the host copy: the adaptive softmax routes its
         clusters there without a device sync); loss_mask [B, L] (bool), on the host or the
         device, limits the loss to some positions (e.g. a task's answer): only those rows
         reach the head, chosen on the host from a host mask (model/loss.py).
 
-        checkpoint_segment: keep none of this segment's decoder activations for backward,
-        only its inputs (tokens and the incoming memory) and the rows the head reads, and
-        recompute the decoder during backward.
-        Across a BPTT window this leaves only the memory passed between segments alive, so
-        peak memory hardly grows with the depth k. Non-reentrant checkpointing: one backward
-        per step (what ZeRO-2/3 require); the RNG state is restored so dropout recomputes
-        identically.
-
-        recompute: what a checkpointed segment keeps besides its inputs, so that its re-run
-        skips those ops ("full": nothing; "save-masks", "save-ffn-out", "save-linear",
-        "save-matmul" and "save-masks+..." in model/recompute.py). Every policy is exact.
-        Ignored without checkpoint_segment."""
+        run_decode: how the decoder runs, as run_decode(self.decode, tokens, state); None:
+        directly. The training loop passes segment checkpointing here (train/
+        segment_checkpoint.py): how the model runs is decided there, not here. Only the
+        decoder goes through it: the head and the loss run outside (model/loss.py,
+        chunked), so a checkpointed segment's backward never recomputes them. What that
+        keeps per segment: the decoder's output rows that reach the head (all B x L x
+        d_model of a language-modelling segment in the model's dtype; only the answer rows
+        of a masked task), besides the segment's inputs."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, length], got shape {tuple(tokens.shape)}")
         if state is not None and state.batch_size != tokens.shape[0]:
             raise ValueError(f"memory state has {state.batch_size} rows but tokens have "
                              f"{tokens.shape[0]}")
-        if checkpoint_segment and torch.is_grad_enabled():
-            ctx = context_fn(recompute, self.cfg.d_inner)
-            extra = {} if ctx is None else {"context_fn": ctx}
-            # A frozen parameter may be sharded again between the forward and its re-run: a
-            # ZeRO-3-style wrapper releases each module's gathered parameters after its
-            # forward (the re-run's too) and gathers them again before that module's
-            # backward reads them. The re-run's saved references then look empty when
-            # checkpoint compares their metadata, though every value backward reads is the
-            # gathered one (DeepSpeed 0.19.8 does this to frozen parameters only; trained
-            # ones compare equal), so the comparison is off where parameters are frozen.
-            # Exact: a frozen base under ZeRO-3 with checkpointed segments repeats the run
-            # without them (tests/test_titans.py, around a pretrained model).
-            if any(not p.requires_grad for p in self.parameters()):
-                extra["determinism_check"] = "none"
-            # Only the decoder is checkpointed: the head and the loss run outside (model/
-            # loss.py, chunked), so backward never recomputes them. What that keeps per
-            # segment: the decoder's output rows that reach the head (all B x L x d_model of
-            # a language-modelling segment in the model's dtype; only the answer rows of a
-            # masked task), besides the segment's inputs.
-            hidden, new_state = checkpoint(self.decode, tokens, state, use_reentrant=False,
-                                           **extra)
-        else:
+        if run_decode is None:
             hidden, new_state = self.decode(tokens, state)
+        else:
+            hidden, new_state = run_decode(self.decode, tokens, state)
         return self.score(hidden, new_state, targets, loss_mask, return_log_probs)
 
     def decode(self, tokens: torch.Tensor, state: MemoryState | None

@@ -106,7 +106,7 @@ class StatedBlock:
     `phases`: what each step allocates at once (the largest counts, as does each SDPA
     call's, which the planner adds); `trained_params` the elements of the trained
     parameters it uses (their gradients); `attention` its SDPA calls; `ops` the outputs a
-    selective `bptt.recompute` policy can keep (model/recompute.py), by category: "linear"
+    selective `bptt.recompute` policy can keep (train/recompute.py), by category: "linear"
     (an mm / addmm output), "ffn-out" (the matmul reducing over d_inner), "bmm" (kept with
     the attention matmuls), "draws" (a dropout's random draws, one bool per element)."""
 

@@ -1,7 +1,7 @@
 """What a checkpointed segment keeps under a selective `bptt.recompute` policy (for
 `memtrain plan`), counted from the code like activations.py.
 
-model/recompute.py keeps, per checkpointed segment and until that segment's backward, the
+train/recompute.py keeps, per checkpointed segment and until that segment's backward, the
 outputs of the ops its policy matches, and with save-masks dropout's draws as bits:
 - ffn-out: W2's output (the matmul whose reduction size is d_inner), [B, rows, d] per layer
   in the forward's order (`:N`: the first N layers);
@@ -13,7 +13,7 @@ outputs of the ops its policy matches, and with save-masks dropout's draws as bi
   SDPA's memory-efficient kernel (XL, RMT), its output (head padded) and fp32 log-sum-exp
   besides the positional matmul;
 - masks: one bit per element of every dropout on the CPU (aten.bernoulli_, packed 8 per
-  byte). On CUDA dropout is the fused `native_dropout`, which model/recompute.py does not
+  byte). On CUDA dropout is the fused `native_dropout`, which train/recompute.py does not
   replay: it keeps nothing there (and saves no time).
 Rows as in activations.py: a full memory, each layer's attention calls and W_o/FFN rows as
 the mechanism states them (model/shapes.py; e.g. RMT Q = 2m + L, K = M + Q, D = Q + K − 1).
@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from model.attention_kernels import sdpa_head_pad
-from model.recompute import parse_policy
 from model.shapes import SegmentShapes
+from train.recompute import parse_policy
 
 from .activations import Dims, shapes
 

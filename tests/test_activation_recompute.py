@@ -16,6 +16,7 @@ from model.pretrained.activation_recompute import (
     remove_recompute,
 )
 from model.pretrained.loading import training_activations
+from train.segment_checkpoint import SegmentCheckpoint
 
 L, B = 6, 3
 
@@ -53,8 +54,9 @@ def _saved_storages(fn):
 
 def _grads(model, x, ckpt_segment=False):
     model.zero_grad()
+    ckpt = SegmentCheckpoint() if ckpt_segment else None
     out, saved = _saved_storages(lambda: model(x[:, :L], None, targets=x[:, 1:L + 1],
-                                               checkpoint_segment=ckpt_segment).loss)
+                                               run_decode=ckpt).loss)
     out.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, \
         sum(saved.values())

@@ -13,6 +13,7 @@ import model.loss as loss_mod
 from model import ModelConfig, build_model
 from model.loss import SupervisedRows, chunked_nll, logits_nll, segment_nll
 from model.pretrained.logits import lm_logits
+from train.segment_checkpoint import SegmentCheckpoint
 
 L, B = 6, 3
 
@@ -167,8 +168,9 @@ def _check_against_reference(model, vocab, monkeypatch, mask_where, ckpt):
     tokens, targets = x[:, L:2 * L], x[:, L + 1:]
     given = None if mask_where is None else mask
     ref, ref_g = _loss_and_grads(lambda: _reference(model, tokens, first, targets, mask), model)
+    run = SegmentCheckpoint() if ckpt else None
     ours, g = _loss_and_grads(lambda: model(tokens, first, targets=targets, loss_mask=given,
-                                            checkpoint_segment=ckpt).loss, model)
+                                            run_decode=run).loss, model)
     assert _rel(ours, ref) <= 1e-6
     assert g.keys() == ref_g.keys()
     for name in ref_g:

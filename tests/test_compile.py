@@ -44,6 +44,7 @@ from model import ConfigError, ModelConfig, build_model
 from model.compiled import compile_core, compiled_graphs, graph_breaks
 from train.config import load_config
 from train.memory_probe import measure
+from train.segment_checkpoint import SegmentCheckpoint
 
 pytestmark = pytest.mark.slow
 
@@ -151,7 +152,7 @@ def _rmt_windows(compiled: bool) -> list[float]:
         loss = 0.0
         for _ in range(2):
             x, y = batch(data)
-            out = model(x, state, targets=y, checkpoint_segment=True)
+            out = model(x, state, targets=y, run_decode=SegmentCheckpoint())
             state, loss = out.state, loss + out.loss
         loss.backward()
         opt.step()

@@ -23,7 +23,9 @@ PACKAGES = ("memtrain", "model", "data_pipeline", "train", "planner", "evaluatio
 # What planner/ reads beyond model/ and data_pipeline/: the run config, the ZeRO section of
 # the DeepSpeed config, the data regime (the window a run trains on), and the command-line
 # conventions every subcommand shares.
-PLANNER_READS = {"train.config", "train.engine", "train.regime", "memtrain.command_line"}
+# train.recompute: the grammar of the run config's `bptt.recompute` policies (parse_policy).
+PLANNER_READS = {"train.config", "train.engine", "train.regime", "train.recompute",
+                 "memtrain.command_line"}
 HEAVY = {"torch", "deepspeed"}  # what compare/ must not pull in (README: no training stack)
 
 

@@ -18,6 +18,7 @@ from compile_helpers import graph_limit
 from model import ConfigError, ModelConfig, build_model, resolve_shape
 from model.compiled import compile_core, compiled_graphs, graph_breaks
 from model.pretrained.regional import decoder_layers
+from train.segment_checkpoint import SegmentCheckpoint
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +82,8 @@ def _train(path, mechanism: str, compiled: bool, lengths=LENGTHS, window: int = 
         loss = 0.0
         for _ in range(window):
             x = torch.randint(0, V, (ROWS, n + 1), generator=data)
-            out = model(x[:, :-1], state, targets=x[:, 1:], checkpoint_segment=window > 1)
+            out = model(x[:, :-1], state, targets=x[:, 1:],
+                        run_decode=SegmentCheckpoint() if window > 1 else None)
             state, loss = out.state, loss + out.loss
         loss.backward()
         opt.step()

@@ -1,4 +1,4 @@
-"""Selective recompute of checkpointed BPTT segments (`bptt.recompute`, model/recompute.py;
+"""Selective recompute of checkpointed BPTT segments (`bptt.recompute`, train/recompute.py;
 `bptt.keep_last_segments`, train/bptt.py): the same losses and gradients as no checkpointing,
 kept bytes between full recompute and none, config errors, and the DeepSpeed engine."""
 
@@ -19,15 +19,15 @@ from torch.utils.checkpoint import checkpoint
 
 from data_pipeline.streams import SegmentBatch
 from model import ConfigError, ModelConfig, build_model
-from model.recompute import (
+from train.bptt import run_window
+from train.config import load_config
+from train.recompute import (
     RECOMPUTE_POLICIES,
     _draws,
     _pack_on_device,
     _unpack_on_device,
     context_fn,
 )
-from train.bptt import run_window
-from train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 L, V, ROWS, LAYERS, D_MODEL, D_INNER, MEM_TOKENS = 6, 16, 2, 2, 32, 64, 3

@@ -205,10 +205,10 @@ def test_one_sync_per_optimizer_step_outside_logging_steps(mechanism, mode):
                                                   ("xl", "save-linear")])
 def test_checkpointed_windows_with_any_recompute_policy_add_no_sync(mechanism, recompute,
                                                                     monkeypatch):
-    """Segment checkpointing and the selective policies (model/recompute.py) in the real
+    """Segment checkpointing and the selective policies (train/recompute.py) in the real
     loop: still one read per optimizer step. save-masks packs its bits with the device-side
     ops a GPU uses (on the CPU it reads numpy, which has no device to wait for)."""
-    import model.recompute as recompute_mod
+    import train.recompute as recompute_mod
 
     def unpack_on_device(target, packed):
         bits = recompute_mod._unpack_on_device(packed, target.numel())

@@ -157,7 +157,7 @@ def test_model_titans_compiled_chunks_trains_as_eager(checkpoint_segments, recom
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 class _Counting(TorchDispatchMode):
-    """A Python dispatch mode as a selective recompute policy's (model/recompute.py)."""
+    """A Python dispatch mode as a selective recompute policy's (train/recompute.py)."""
 
     def __init__(self):
         super().__init__()

@@ -36,6 +36,8 @@ import torch
 from data_pipeline.streams import SegmentBatch
 from model import ConfigError, MemoryState
 
+from .segment_checkpoint import SegmentCheckpoint
+
 
 @dataclass
 class WindowResult:
@@ -58,14 +60,14 @@ def run_window(forward, state: MemoryState | None, segments: list[SegmentBatch],
                keep_last_segments: int = 0, score: bool = False) -> WindowResult:
     """Thread the memory through `segments`; sum the losses of the `counted` ones.
 
-    forward(tokens, state, targets=, loss_mask=, checkpoint_segment=) is the engine (or the
-    bare model). `detach_before` holds segment indices where the memory is cut (task
+    forward(tokens, state, targets=, loss_mask=, run_decode=) is the engine (or the bare
+    model). `detach_before` holds segment indices where the memory is cut (task
     samples longer than k+1 segments). The state entering the window is always detached:
     the previous window's graph has been freed by its backward. `score` also counts
     teacher-forced correct predictions (task accuracy; needs the full log-probabilities).
 
     With `checkpoint_segments`, `recompute` says what each checkpointed segment keeps
-    (model/recompute.py) and the last `keep_last_segments` segments are not checkpointed.
+    (train/recompute.py) and the last `keep_last_segments` segments are not checkpointed.
     The last one costs no peak memory that way: its backward runs first, right after the
     forward, and a checkpointed segment would hold the same activations while it runs.
     """
@@ -75,8 +77,9 @@ def run_window(forward, state: MemoryState | None, segments: list[SegmentBatch],
     n_aux = 0
     entering_last = None
     n_ckpt = len(segments) - keep_last_segments if checkpoint_segments else 0
-    # A forward that is not the model's (a test's stand-in) need not know `recompute`.
-    extra = {"recompute": recompute} if recompute != "full" else {}
+    # Applied to the model from here (train/segment_checkpoint.py); a forward that is not
+    # the model's (a test's stand-in) is only handed it when it checkpoints.
+    ckpt = SegmentCheckpoint(recompute) if n_ckpt > 0 else None
     for i, seg in enumerate(segments):
         if i == len(segments) - 1:
             entering_last = state.detach() if state is not None else None
@@ -92,7 +95,7 @@ def run_window(forward, state: MemoryState | None, segments: list[SegmentBatch],
         tokens = seg.tokens.to(device, non_blocking=True)
         out = forward(tokens[:, :-1], state, targets=seg.tokens[:, 1:],
                       loss_mask=seg.loss_mask,
-                      checkpoint_segment=i < n_ckpt, return_log_probs=score, **extra)
+                      return_log_probs=score, **({"run_decode": ckpt} if i < n_ckpt else {}))
         state = out.state
         if not counted[i]:
             continue

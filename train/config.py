@@ -23,9 +23,9 @@ import yaml
 # which build on the run config and need not know where in model/ it is defined.
 from model import ModelConfig, backbone_of, resolve_shape
 from model.io import model_file_metadata
-from model.recompute import parse_policy
 from model.typed import ConfigError, build_dataclass
 from model.weights_file import WeightsError
+from train.recompute import parse_policy
 
 # The shipped run configs and base DeepSpeed JSON, and how relative paths find them in a
 # checkout and in an installed wheel (PROJECT_ROOT: the checkout, for the tests).
@@ -70,7 +70,7 @@ class BPTTConfig:
     # window is the memory passed between segments, so peak memory is nearly flat in k.
     checkpoint_segments: bool = False
     # What a checkpointed segment keeps besides its inputs, so that its recompute inside the
-    # backward skips those ops (model/recompute.py; needs checkpoint_segments):
+    # backward skips those ops (train/recompute.py; needs checkpoint_segments):
     #   full               nothing: the whole segment is recomputed (least memory)
     #   save-masks         dropout's 0/1 draws as bits (1/32 of the fp32 noise): no RNG in
     #                      the recompute (CPU; elsewhere the masks are drawn again)

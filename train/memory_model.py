@@ -34,6 +34,7 @@ from model.io import load_model
 from model.segment_lm import SegmentLM
 
 from .bptt import episode_cuts
+from .segment_checkpoint import SegmentCheckpoint
 
 IGNORE = -100   # transformers' label for "not counted"
 
@@ -58,6 +59,7 @@ class MemoryModel(nn.Module):
                              f"{bptt_depth}")
         self.bptt_depth, self.checkpoint_segments = bptt_depth, checkpoint_segments
         self.recompute = recompute
+        self.checkpointed = SegmentCheckpoint(recompute)
 
     @classmethod
     def from_pretrained(cls, source: str | Path, checkpoint: str | None = None,
@@ -127,8 +129,8 @@ class MemoryModel(nn.Module):
             out = self.model(input_ids[:, part], state,
                              targets=None if targets is None else targets[:, part],
                              loss_mask=None if mask is None else mask[:, part],
-                             return_log_probs=return_logits, checkpoint_segment=i < n_ckpt,
-                             recompute=self.recompute)
+                             return_log_probs=return_logits,
+                             run_decode=self.checkpointed if i < n_ckpt else None)
             state = out.state
             if return_logits:
                 logits.append(out.log_probs)

@@ -1,7 +1,7 @@
 """What the pieces of a pretrained decoder layer keep for backward, stated tensor by tensor
 for the planner (shapes.py composes them into a segment; moe_shapes.py into a mixture of
 experts' layer): norms, linear layers with their LoRA adapters, dropout, the activations, and
-the matmul outputs the selective recompute policies name (model/recompute.py)."""
+the matmul outputs the selective recompute policies name (train/recompute.py)."""
 
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def dropout_draws(p: float, shape: tuple[int, ...]) -> list[TensorShape]:
 def matmul_outputs(linears: list[Linear], widths: list[int], rows: int, q: int, fan_in: int,
              inner: int) -> list[TensorShape]:
     """The mm / addmm outputs of linear layers of `fan_in` inputs and `widths` outputs, with
-    their adapters' (lora_A, lora_B) and lora_dropout's draws, for model/recompute.py: a
+    their adapters' (lora_A, lora_B) and lora_dropout's draws, for train/recompute.py: a
     matmul reducing over d_inner (`inner`) is its "ffn-out"."""
     kind = lambda k: "ffn-out" if k == inner else "linear"  # noqa: E731
     out = []

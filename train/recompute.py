@@ -1,6 +1,6 @@
 """Which results a checkpointed segment keeps for its backward (`bptt.recompute`).
 
-Checkpointing a segment (`MemoryLM.forward(..., checkpoint_segment=True)`) keeps only its
+Checkpointing a segment (train/segment_checkpoint.py) keeps only its
 inputs and re-runs its whole forward inside the backward. A selective policy keeps the
 outputs of some ops as well, so the re-run skips them:
 
