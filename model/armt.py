@@ -33,8 +33,8 @@ from torch import nn
 from .associative import AssociativeLayer, AssociativeMemory, checkpoint_first_run
 from .backbone import Lengths, RelativeBackbone, causal_allowed
 from .config import ModelConfig
+from .memory_tokens import memory_token_parameters, side_cache, write_rows
 from .positional import distance_list
-from .rmt import memory_token_parameters, side_cache, write_rows
 from .shapes import AttentionShape, LayerShape, SegmentShapes, TensorShape, xl_cache
 
 

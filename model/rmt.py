@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from .attention import AttnLayout
-from .backbone import Learned, Lengths, RelativeBackbone
+from .backbone import Lengths, RelativeBackbone
 from .config import ModelConfig
-from .memory import RMTMemory, XLMemory
+from .memory import RMTMemory
+from .memory_tokens import memory_token_parameters, side_cache, write_rows
 from .positional import distance_list
 from .shapes import AttentionShape, LayerShape, SegmentShapes, TensorShape, xl_cache
 
@@ -54,30 +55,6 @@ def rmt_allowed(n_mem: int, n_tok: int, cache_len: int, cache_valid: torch.Tenso
     return allowed
 
 
-def memory_token_parameters(cfg: ModelConfig) -> tuple[Learned, nn.LayerNorm | None]:
-    """The learned initial memory [m, d] and, where the write outputs are carried, the
-    LayerNorm they pass before becoming the next memory (RMT here; ARMT with carried tokens,
-    model/armt.py)."""
-    # Learnable initial memory, broadcast over the batch (RMT code). Drawn at the scale of a
-    # scaled token embedding, N(0, init_std * sqrt(d)), rows independent; the authors'
-    # N(0, 1) with `[randn(1, d)] * m` makes all rows one vector. Measured on copy
-    # (docs/rmt.md): the init is not what decides learning, the layer norm placement is;
-    # pre-LN learns from either init, post-LN from neither.
-    std = cfg.init_std * cfg.d_model ** 0.5
-    memory_init = Learned(torch.randn(cfg.mech.num_mem_tokens(cfg), cfg.d_model) * std)
-    # Pre-LN leaves the residual stream unnormalised, and the write outputs become the next
-    # segment's layer-0 inputs, so without a norm the memory grows with every segment it
-    # passes (measured at init: x44 over 200 segments of a stream) until the tokens cannot
-    # use it. Post-LN outputs are already normalised. Its gain is `rmt.memory_norm`
-    # (docs/rmt.md has what each choice measured).
-    norm = None
-    if cfg.pre_lnorm and cfg.rmt.memory_norm != "none":
-        norm = nn.LayerNorm(cfg.d_model)
-        if cfg.rmt.memory_norm == "embedding":
-            nn.init.constant_(norm.weight, std)
-    return memory_init, norm
-
-
 def initial_memory(batch_size: int, m: int, d: int, device=None) -> RMTMemory:
     """RMT's initial state, on either backbone: every row `fresh` (its first segment reads
     the learned initial memory); the token slots are zeros until written. No XL cache yet:
@@ -93,27 +70,6 @@ def memory_inputs(init_memory: torch.Tensor, state: RMTMemory, bsz: int, dtype
     memory, the learned initial one in the rows that start a document (`fresh`)."""
     init = init_memory.to(dtype)[None].expand(bsz, -1, -1)
     return torch.where(state.fresh[:, None, None], init, state.tokens.to(dtype))
-
-
-def write_rows(h: torch.Tensor, start: int, norm: nn.Module | None = None) -> torch.Tensor:
-    """The write outputs h[:, start:] that become the next memory (RMT, and ARMT's carried
-    tokens, on either backbone): through the memory LayerNorm, or a copy of the rows, not a
-    view: a view keeps the whole [B, rows, d] output alive for as long as the memory lives,
-    which under segment checkpointing is every segment of the BPTT window (the next segment
-    keeps its input memory)."""
-    write = h[:, start:]
-    return norm(write) if norm is not None else write.clone()
-
-
-def side_cache(state, lengths: Lengths, bsz: int, device) -> XLMemory | None:
-    """The XL cache kept beside the memory tokens (Tr-XL + RMT, §3.4; ARMT's sliding
-    window), or None: whether there is one is decided by the run-time mem_len (evaluation
-    may switch it on or off), and a state that has none yet starts it empty."""
-    if lengths.mem_len == 0:
-        return None
-    if state.cache is not None:
-        return state.cache
-    return XLMemory(length=torch.zeros(bsz, dtype=torch.long, device=device))
 
 
 class RMT(RelativeBackbone):

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..associative import READ_PRECISIONS, AssociativeMemory
+from ..memory_tokens import pretrained_memory_init
 from ..typed import ConfigError
 from .registry import AuthorsCheckpoint, Mechanism, register
 from .rmt import (
@@ -36,7 +37,6 @@ from .rmt import (
     check_memory_norm,
     check_memory_tokens,
     check_pattern,
-    pretrained_memory_init,
 )
 
 FEATURE_MAPS = ("dpfp", "elu", "identity")
@@ -170,7 +170,7 @@ class ARMT(Mechanism):
         from torch import nn
 
         from ..armt import associative_layer
-        from ..pretrained.associative import decoder_layers_name
+        from ..pretrained.layers import decoder_layers_name
         memory_init = pretrained_memory_init(cfg, base, self.num_mem_tokens(cfg),
                                              memory_scale)
         # A name, not the module list itself: a second reference to the base's layers
@@ -188,9 +188,9 @@ class ARMT(Mechanism):
     def pretrained_decode(self, lm, emb, state):
         from ..armt import memory_token_inputs
         from ..associative import checkpoint_first_run
+        from ..memory_tokens import write_rows
         from ..pretrained.associative import associative_pass
         from ..pretrained.positions import armt_position_ids, causal_attention
-        from ..rmt import write_rows
         cfg = lm.cfg
         state = state.resident()
         bsz, n_tok, _ = emb.shape

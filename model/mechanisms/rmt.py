@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..memory import RMTMemory
+from ..memory_tokens import pretrained_memory_init
 from ..typed import ConfigError
 from .registry import AuthorsCheckpoint, Mechanism, register
 
@@ -67,27 +68,6 @@ def check_memory_norm(cfg) -> None:
     if o.memory_norm not in MEMORY_NORMS:
         raise ConfigError("model.rmt.memory_norm", f"unknown {o.memory_norm!r}; choose "
                           f"{', '.join(MEMORY_NORMS)}")
-
-
-def pretrained_memory_init(cfg, base, m: int, memory_scale: float | None):
-    """The learned initial memory [m, d] around a pretrained model, drawn at the scale of the
-    pretrained token rows the memory sits among: the embedding weight's std (unless
-    `memory_scale` gives it: a sharded base has no materialised embeddings to measure) times
-    the factor the embedding module itself multiplies its output by (Gemma's sqrt(d_model),
-    transformers' `*ScaledWordEmbedding.scalar_embed_scale`; 1 for the others); None for
-    m = 0."""
-    from ..backbone import Learned
-    if not m:
-        return None
-    embedding = base.get_input_embeddings()
-    if memory_scale is None:
-        weight = embedding.weight
-        if weight.numel() == 0:
-            raise ValueError("the input embeddings are not materialised (a sharded "
-                             "load): pass memory_scale")
-        memory_scale = float(weight.detach().float().std())
-    rows = float(getattr(embedding, "scalar_embed_scale", 1.0))
-    return Learned(torch.randn(m, cfg.d_model) * (memory_scale * rows))
 
 
 @register
@@ -152,9 +132,10 @@ class RMT(Mechanism):
         return initial_memory(batch_size, self.num_mem_tokens(lm.cfg), lm.cfg.d_model, device)
 
     def pretrained_decode(self, lm, emb, state):
+        from ..memory_tokens import write_rows
         from ..pretrained.paper_attention import paper_attention, splits
         from ..pretrained.positions import causal_attention, memory_position_ids
-        from ..rmt import memory_inputs, write_rows
+        from ..rmt import memory_inputs
         bsz, n_tok, _ = emb.shape
         m, base = self.num_mem_tokens(lm.cfg), lm.base
         if m == 0:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..typed import ConfigError
-from .associative import decoder_layers_name
+from .layers import decoder_layers_name
 
 # Activations that run as one kernel: recomputing them costs one read of the input. (The
 # Python ones, e.g. `gelu_new` with `model.hf.fused_gelu: false`, keep several tensors of

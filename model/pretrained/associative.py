@@ -33,20 +33,7 @@ from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from ..associative import AssociativeLayer, AssociativeMemory, FeatureMap
 from ..shapes import StatedBlock, TensorShape
-from ..typed import ConfigError
-
-
-def decoder_layers_name(base) -> str:
-    """The name, inside `base.base_model`, of the decoder's list of layers: the one
-    nn.ModuleList of `config.num_hidden_layers` entries (Llama's `layers`, GPT-2's `h`)."""
-    n = base.config.num_hidden_layers
-    found = [name for name, mod in base.base_model.named_modules()
-             if isinstance(mod, nn.ModuleList) and len(mod) == n]
-    if len(found) != 1:
-        raise ConfigError("model.hf.path", f"ARMT hooks the decoder's layers: expected one "
-                          f"list of {n} modules in {type(base.base_model).__name__}, found "
-                          f"{found or 'none'}")
-    return found[0]
+from .layers import layer_hidden
 
 
 @dataclass
@@ -61,12 +48,6 @@ class SegmentWrites:
             missing = [i for i, a in enumerate(self.A) if a is None]
             raise RuntimeError(f"decoder layers {missing} did not run: no associative write")
         return before.written(self.A, self.z, tokens=tokens)
-
-
-def _hidden(output):
-    """A decoder layer's hidden states: transformers 5 layers return the tensor, older ones
-    and some families a tuple whose first entry it is."""
-    return output[0] if isinstance(output, tuple) else output
 
 
 @contextmanager
@@ -106,7 +87,7 @@ def associative_pass(layers: nn.ModuleList, blocks: nn.ModuleList, state: Associ
     def write_hook(i: int, block: AssociativeLayer):
         def hook(module, args, output):
             writes.A[i], writes.z[i] = run(block.write, passed[i], z_in[i],
-                                           _hidden(output)[:, n_tok:])
+                                           layer_hidden(output)[:, n_tok:])
         return hook
 
     handles = []

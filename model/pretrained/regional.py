@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .activation_recompute import remove_recompute
-from .associative import decoder_layers_name
+from .layers import decoder_layers_name
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -29,12 +29,12 @@ from torch import nn
 
 from ..neural_memory import NeuralMemoryState
 from ..shapes import MemoryRows, StatedBlock, TensorShape
-from .associative import _hidden, decoder_layers_name
+from .layers import decoder_layers_name, layer_hidden
 from .positions import causal_attention
 
 
 def parameters(cfg, base, memory_scale) -> dict:
-    from ..mechanisms.rmt import pretrained_memory_init
+    from ..memory_tokens import pretrained_memory_init
     from ..titans import MemoryGate, neural_memory
     o, d = cfg.titans, cfg.d_model
     # Eq. 19's tokens at the scale of the pretrained embeddings they sit among (RMT's).
@@ -84,7 +84,7 @@ def titans_pass(lm, state: NeuralMemoryState, n_p: int) -> Iterator[tuple[list, 
 
     def write_hook(i: int):
         def hook(module, args, output):
-            out = _hidden(output)
+            out = layer_hidden(output)
             w, s = state.layer(i, lm.memory[i].initial_weights())
             y = out[:, n_p + 1::2]
             tail = state.tail(0, i)
