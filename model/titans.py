@@ -53,6 +53,8 @@ caller detaches it, which sets the BPTT depth, as for RMT and ARMT.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -74,6 +76,16 @@ def neural_memory(cfg: ModelConfig) -> NeuralMemory:
                         surprise_at=o.surprise_at, residual_norm=o.memory_residual,
                         qk_norm=o.qk_norm,
                         compile_backend=cfg.compile_backend if o.compiled_chunks else None)
+
+
+def segment_positions(n: int, d: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """[n, d]: each row's position in its segment as a sinusoid (sin | cos at d / 2
+    frequencies from 1 down to 1/100), `model.titans.segment_positions`: the absolute
+    position that titans-pytorch's MAC gives its inputs (an axial positional embedding over
+    the segment) and this relative-position stack does not. Fixed, no parameters."""
+    pos = torch.arange(n, dtype=torch.float32, device=device)[:, None]
+    freq = torch.exp(torch.arange(0, d, 2, device=device) * (-math.log(100.0) / d))
+    return torch.cat([torch.sin(pos * freq), torch.cos(pos * freq)], dim=-1)[:, :d].to(dtype)
 
 
 def mac_allowed(n_persistent: int, n_tok: int, device) -> torch.Tensor:
@@ -193,6 +205,8 @@ class TitansCore(RelativeBackbone):
         persistent = self.persistent() if self.persistent is not None else None
         n_p = persistent.shape[1] if persistent is not None else 0
         o = self.cfg.titans
+        if o.segment_positions:   # the row's position in the segment, added to its input
+            h0 = h0 + segment_positions(n_tok, h0.shape[-1], h0.dtype, h0.device)
         mac = o.variant == "mac"
         rows_read = mac and o.read_as == "context"
         # keys [p | h | x] (MAC, the read as context rows) or [p | x] (MAG, MAL, MAC with

@@ -241,3 +241,30 @@ def test_the_new_memory_choices_are_refused_by_their_field(field, value):
     with pytest.raises(ConfigError) as err:
         ModelConfig(mechanism="titans", mem_len=0, titans={field: value})
     assert err.value.field == f"model.titans.{field}"
+
+
+def test_segment_positions_add_the_fixed_sinusoid_to_the_input_and_nothing_else():
+    """`segment_positions` adds model/titans.py's sinusoid of each row's position in its
+    segment (sin 0 = 0 and cos 0 = 1 at row 0) to the stack's input: the model equals the
+    default one with the table added to its embeddings, in every segment (the same rows
+    0..L-1 each), with the same parameters drawn; refused around a pretrained decoder."""
+    from model.titans import segment_positions
+    table = segment_positions(L, 16, torch.float32)
+    assert torch.equal(table[0], torch.cat([torch.zeros(8), torch.ones(8)]))
+    assert table.shape == (L, 16) and (table[1] - table[2]).abs().max() > 0.1
+    plain, placed = titans_model(), titans_model(segment_positions=True)
+    assert all(torch.equal(v, placed.state_dict()[k]) for k, v in plain.state_dict().items())
+    x = torch.randint(0, V, (2, 2 * L), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        a = placed(x[:, :L], None, return_log_probs=True)
+        a2 = placed(x[:, L:], a.state, return_log_probs=True).log_probs
+        plain.embedding.register_forward_hook(lambda mod, inp, out: out + table)
+        b = plain(x[:, :L], None, return_log_probs=True)
+        b2 = plain(x[:, L:], b.state, return_log_probs=True).log_probs
+        c = titans_model()(x[:, :L], None, return_log_probs=True).log_probs
+    assert torch.equal(a.log_probs, b.log_probs) and torch.equal(a2, b2)
+    assert (a.log_probs - c).abs().max() > 1e-3
+    with pytest.raises(ConfigError) as err:
+        ModelConfig(mechanism="titans", backbone="hf", mem_len=0, hf={"path": "unused"},
+                    titans={"segment_positions": True})
+    assert err.value.field == "model.titans.segment_positions"

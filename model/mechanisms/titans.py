@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..neural_memory import NeuralMemoryState
+from ..registry import Mechanism, register
 from ..typed import ConfigError, check_choice
-from .registry import Mechanism, register
 
 VARIANTS = ("mac", "mag", "mal")
 UPDATE_INPUTS = ("output", "input")
@@ -105,6 +105,11 @@ class TitansOptions:
     # learned scale) before W_Q, W_K, W_V and the gates, q and k not (titans-pytorch's
     # NeuralMemory defaults).
     qk_norm: str = "l2"
+    # Native only. Add a fixed sinusoid of each row's position in its segment to the
+    # stack's input (model/titans.py `segment_positions`): titans-pytorch's MAC gives its
+    # inputs absolute positions, this stack's attention only relative ones. With the
+    # segment as the memory's chunk, the memory can then key what it writes by position.
+    segment_positions: bool = False
 
 
 @register
@@ -174,7 +179,7 @@ class Titans(Mechanism):
         check_choice("model.titans.surprise_at", o.surprise_at, SURPRISE_AT)
         check_choice("model.titans.qk_norm", o.qk_norm, QK_NORMS)
         native_only = {"update_input": "output", "read_as": "context", "output_gate": True,
-                       "read_init_std": None}
+                       "read_init_std": None, "segment_positions": False}
         for name, default in native_only.items():
             if getattr(o, name) != default and not cfg.backbone_traits.native_core:
                 raise ConfigError(f"model.titans.{name}", f"{getattr(o, name)!r} runs on the "
