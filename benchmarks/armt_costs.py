@@ -36,8 +36,8 @@ from test_armt_costs import (  # noqa: E402
 )
 from test_sync_free_pretrained import model, window_syncs  # noqa: E402
 
-from model import associative_grad  # noqa: E402
-from model.associative import AssociativeMemory  # noqa: E402
+from model.mechanisms.armt import associative_grad  # noqa: E402
+from model.mechanisms.armt.associative import AssociativeMemory  # noqa: E402
 from model.pretrained.tiny import tiny_gpt2, tiny_llama  # noqa: E402
 
 
@@ -51,7 +51,7 @@ def traffic(tmp: Path) -> None:
     for name, access, path_kind in (
             ("plain autograd, a select per use", per_use_select, plain),
             ("plain autograd, one unbind", layers, plain),
-            ("hand-written backward (model/associative_grad.py)", layers, fast)):
+            ("hand-written backward (model/mechanisms/armt/associative_grad.py)", layers, fast)):
         AssociativeMemory.layers, associative_grad.fast_path = access, path_kind
         try:
             plain_seg, _, plain_w = per_segment(path, False)

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import add_device_args, model_dtype, step_clock  # noqa: E402
+from model.mechanisms.rmt.core import rmt_allowed  # noqa: E402
 from model.pretrained.paper_attention import split_paper_attention  # noqa: E402
-from model.rmt import rmt_allowed  # noqa: E402
 
 
 def tiles(m: int, n_tok: int, tile: int) -> dict[str, int]:

@@ -6,15 +6,15 @@ Knows nothing of DeepSpeed, MLflow or SLURM; of the data pipeline it uses only t
 file writer (io.py) and a pretrained tokenizer's fingerprint (backbones/pretrained.py).
 """
 
-from .associative import AssociativeMemory
 from .backbones import backbone_of, build_model, resolve_shape
 from .config import ConfigError, ModelConfig
 from .generate import filter_logits, generate, stream_generate
 from .io import load_model, save_model
 from .lm import LMOutput, MemoryLM, bits_per_token
-from .mechanisms.armt import ARMTOptions
-from .mechanisms.lamemo import LaMemoOptions
-from .mechanisms.rmt import RMTOptions
+from .mechanisms.armt.associative import AssociativeMemory
+from .mechanisms.armt.options import ARMTOptions
+from .mechanisms.lamemo.options import LaMemoOptions
+from .mechanisms.rmt.options import RMTOptions
 from .memory import LaMemoMemory, MemoryState, RMTMemory, XLMemory
 
 __all__ = [

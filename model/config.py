@@ -5,11 +5,12 @@ Field names follow the papers and the authors' code (`mem_len`, `tgt_len`, `clam
 field, so a bad value fails before any tensor is allocated.
 
 The mechanism's options are a section of their own (`model.lamemo`, `model.rmt`,
-`model.armt`, or a new mechanism's), defined and validated by the mechanism's module
-(model/mechanisms/): `ModelConfig` holds one section per registered mechanism, read as an
-attribute (`cfg.rmt.num_mem_tokens`), given to the constructor by name
-(`ModelConfig(mechanism="rmt", rmt={...})`) and written by `to_dict` beside the other
-fields, so this file does not change when a mechanism is added.
+`model.armt`, ...), defined in the mechanism's folder (model/mechanisms/<name>/options.py)
+and validated by its registry entry (mechanism.py). The built-in ones are declared fields
+of `ModelConfig` (`cfg.rmt.num_mem_tokens`; `ModelConfig(mechanism="rmt", rmt={...})`); a
+mechanism registered from outside this package (model/registry.py) has its section in
+`sections`, read as an attribute the same way, so this file does not change when one is
+added. `to_dict` writes every section beside the other fields.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from typing import Any
 
 # ConfigError lives with the typed builder (one error for every config tree); it is imported
 # here so `from model.config import ConfigError` and `model.ConfigError` stay the same class.
+from . import registry
+from .mechanisms.armt.options import ARMTOptions
+from .mechanisms.lamemo.options import LaMemoOptions
+from .mechanisms.rmt.options import RMTOptions
 from .typed import ConfigError, build_dataclass, check_choice
 
 ATTN_IMPLS = ("fused", "plain")
@@ -29,6 +34,8 @@ LOSS_BACKENDS = ("auto", "chunked", "liger", "cce")
 # torch.compile backends training may use (model/compiled.py).
 COMPILE_BACKENDS = ("inductor", "aot_eager")
 FINETUNE_MODES = ("full", "frozen", "lora")
+# The mechanisms' sections that are fields of `ModelConfig` (the others: `sections`).
+DECLARED_SECTIONS = {"lamemo": LaMemoOptions, "rmt": RMTOptions, "armt": ARMTOptions}
 
 
 @dataclass
@@ -140,14 +147,21 @@ class ModelConfig:
     # library on CUDA where it is installed and the head is one plain linear layer, else
     # chunked). The same per-row NLL either way (model/fused_loss.py).
     loss_backend: str = "auto"
+    # The built-in mechanisms' options sections (model/mechanisms/<name>/options.py), each
+    # read, checked and written as `model.<name>` whichever mechanism runs.
+    lamemo: LaMemoOptions = field(default_factory=LaMemoOptions)
+    rmt: RMTOptions = field(default_factory=RMTOptions)
+    armt: ARMTOptions = field(default_factory=ARMTOptions)
     hf: PretrainedOptions = field(default_factory=PretrainedOptions)
-    # The options section of every registered mechanism, by section name (module
-    # docstring); `to_dict` writes them as `model.<section>`.
+    # The sections no field can declare: those of mechanisms registered from outside this
+    # package (`package.module:ClassName`, model/registry.py) and Titans' (its folder is not
+    # made yet), by section name, read as attributes (`cfg.toy`); `to_dict` writes them as
+    # `model.<section>` after the built-in ones.
     sections: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __init__(self, sections: dict[str, Any] | None = None, **values: Any):
-        from .mechanisms import registry
-        known = registry.sections(values.get("mechanism"))
+        known = {name: cls for name, cls in registry.sections(values.get("mechanism")).items()
+                 if name not in DECLARED_SECTIONS}
         given = {**(sections or {}), **{k: values.pop(k) for k in list(values) if k in known}}
         for f in dataclasses.fields(self):
             if f.name == "sections":
@@ -155,6 +169,8 @@ class ModelConfig:
             value = values.pop(f.name, MISSING)
             if value is MISSING:
                 value = f.default if f.default is not MISSING else f.default_factory()
+            elif f.name in DECLARED_SECTIONS and not isinstance(value, DECLARED_SECTIONS[f.name]):
+                value = _build_options(DECLARED_SECTIONS[f.name], value, f"model.{f.name}")
             setattr(self, f.name, value)
         if values:
             raise TypeError(f"ModelConfig got unexpected keyword arguments {sorted(values)}")
@@ -167,7 +183,7 @@ class ModelConfig:
         self.__post_init__()
 
     def __getattr__(self, name: str) -> Any:
-        # Only reached when normal lookup fails: a mechanism's section (`cfg.rmt`).
+        # Only reached when normal lookup fails: a section without a field (`sections`).
         sections = self.__dict__.get("sections")
         if sections is not None and name in sections:
             return sections[name]
@@ -186,17 +202,16 @@ class ModelConfig:
         fields and every registered mechanism's section."""
         import typing
 
-        from .mechanisms import registry
         hints = typing.get_type_hints(cls)
         hints.pop("sections")
         mechanism = values.get("mechanism") if isinstance(values.get("mechanism"), str) else None
-        return {**hints, **registry.sections(mechanism)}
+        return {**hints, **{name: cls for name, cls in registry.sections(mechanism).items()
+                            if name not in DECLARED_SECTIONS}}
 
     @property
     def mech(self):
-        """The registered `Mechanism` (model/mechanisms/registry.py) that runs this config:
+        """The registered `Mechanism` (model/registry.py) that runs this config:
         what every consumer asks instead of the mechanism's name."""
-        from .mechanisms import registry
         return registry.get(self.mechanism)
 
     def __post_init__(self) -> None:
@@ -348,7 +363,7 @@ class ModelConfig:
         schema of the run configs, saved configs and MLflow params)."""
         out = dataclasses.asdict(self)
         sections, hf = out.pop("sections"), out.pop("hf")
-        return {**out, **sections, "hf": hf}
+        return {**out, **sections, "hf": hf}   # the declared sections, then the others
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:

@@ -226,8 +226,8 @@ class XLMemory(MemoryState):
 @_register
 @dataclass
 class LaMemoMemory(MemoryState):
-    """LaMemo state (LaMemo Eq. 10-11 and Appendix A; model/lamemo.py): cached embeddings
-    plus, per layer, the memory's context vectors C_mem [B, M, H, dh] (before W_o) and
+    """LaMemo state (LaMemo Eq. 10-11 and Appendix A; model/mechanisms/lamemo/core.py): cached
+    embeddings plus, per layer, the memory's context vectors C_mem [B, M, H, dh] (before W_o) and
     log-normalisers logS_mem [B, M, H] (fp32)."""
 
     kind: ClassVar[str] = "lamemo"

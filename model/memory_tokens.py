@@ -18,7 +18,7 @@ from .memory import XLMemory
 def memory_token_parameters(cfg: ModelConfig) -> tuple[Learned, nn.LayerNorm | None]:
     """The learned initial memory [m, d] and, where the write outputs are carried, the
     LayerNorm they pass before becoming the next memory (RMT here; ARMT with carried tokens,
-    model/armt.py)."""
+    model/mechanisms/armt/core.py)."""
     # Learnable initial memory, broadcast over the batch (RMT code). Drawn at the scale of a
     # scaled token embedding, N(0, init_std * sqrt(d)), rows independent; the authors'
     # N(0, 1) with `[randn(1, d)] * m` makes all rows one vector. Measured on copy

@@ -44,8 +44,9 @@ A sequence shorter than a chunk (or the tail of one) is a last, shorter chunk: i
 memory like any other.
 
 Dtypes: the weights and the momentum are float32 whatever the model's dtype (the inner
-update is a small difference of large sums, as ARMT's delta rule; model/associative.py), or
-float64 if that is what comes in; the projections run in the module's dtype.
+update is a small difference of large sums, as ARMT's delta rule;
+model/mechanisms/armt/associative.py), or float64 if that is what comes in; the projections run in
+the module's dtype.
 """
 
 from __future__ import annotations

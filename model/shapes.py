@@ -1,6 +1,6 @@
 """The shapes of one training segment, as each mechanism states them for a memory count.
 
-Every mechanism's native class (model/transformer_xl.py, lamemo.py, rmt.py, armt.py) has a
+Every mechanism's native class (model/mechanisms/xl/core.py, lamemo.py, rmt.py, armt.py) has a
 classmethod `segment_shapes(cfg, rows, mem_len) -> SegmentShapes`: one segment of `rows`
 batch rows with a full memory of `mem_len` entries, told as the rows and columns of its
 attention calls, the rows through each layer's W_o and FFN, what else a layer saves for

@@ -24,8 +24,9 @@ s bytes of the model dtype: 4 fp32, 2 bf16/fp16; each storage counted once):
 - the rows, keys and distances of each layer's attention calls, the rows through its W_o and
   FFN, what else it saves and the state it carries: as each mechanism states them
   (`segment_shapes`, model/shapes.py; XL Q = L, K = M+L; LaMemo's look-ahead and
-  interpolation, Ji et al. 2022 Eq. 7-11, in model/lamemo.py; RMT Q = 2m+L, D = Q+K-1,
-  Bulatov et al. 2022 §3, in model/rmt.py). Nothing here asks which mechanism it counts.
+  interpolation, Ji et al. 2022 Eq. 7-11, in model/mechanisms/lamemo/core.py; RMT Q = 2m+L, D =
+  Q+K-1, Bulatov et al. 2022 §3, in model/mechanisms/rmt/core.py). Nothing here asks which mechanism
+  it counts.
 - a layer stated tensor by tensor (a pretrained Hugging Face decoder, `StatedLayer` from
   model/pretrained/shapes.py): its blocks' saved tensors, backward phases and trained
   parameters as stated, plus what each `scaled_dot_product_attention` call's kernel keeps

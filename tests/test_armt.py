@@ -1,8 +1,8 @@
-"""ARMT on the native stack (model/armt.py) as specifications.
+"""ARMT on the native stack (model/mechanisms/armt/core.py) as specifications.
 
-The reference below runs a segment as the equations of model/armt.py and
-model/associative.py state it: [tokens ∘ memory tokens] under a causal mask built here,
-each layer's read (tests/test_associative_core.py `ref_retrieve`, loops over rows and
+The reference below runs a segment as the equations of model/mechanisms/armt/core.py and
+model/mechanisms/armt/associative.py state it: [tokens ∘ memory tokens] under a causal mask built
+here, each layer's read (tests/test_associative_core.py `ref_retrieve`, loops over rows and
 positions in float64) added to the layer's input, the layer itself, then the delta-rule
 write from the memory rows of the layer's output (`ref_write`, loops over memory tokens).
 The decoder layers are the backbone's own (their attention is pinned elsewhere, in

@@ -13,8 +13,9 @@ from cost_counters import LiveBytes, StateTraffic
 from pretrained_helpers import hf_model_section, tiny_gpt2
 
 from data_pipeline.streams import SegmentBatch
-from model import ModelConfig, associative_grad, build_model
-from model.associative import AssociativeMemory
+from model import ModelConfig, build_model
+from model.mechanisms.armt import associative_grad
+from model.mechanisms.armt.associative import AssociativeMemory
 from train.bptt import run_window
 
 
@@ -191,7 +192,7 @@ def host_store(monkeypatch):
     """On the CPU the host is the device: `offload` would keep the tensors where they are.
     Stand in for host memory with numpy arrays, which the live-bytes count (torch storages
     made inside it) does not see, as a GPU's count does not see pinned host memory."""
-    import model.associative as assoc
+    import model.mechanisms.armt.associative as assoc
     monkeypatch.setattr(assoc, "to_host", lambda t: t.detach().numpy().copy())
     monkeypatch.setattr(assoc, "from_host", lambda a, device: torch.from_numpy(a).to(device))
 

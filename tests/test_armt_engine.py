@@ -23,8 +23,8 @@ def test_a_stopped_armt_run_resumes_bit_for_bit_with_its_memory(tmp_path):
     straight = tiny_config(tmp_path, "straight", max_steps=12, save_every=6, **SECTIONS)
     run_train(straight)
     # Every log line names each layer's smallest relative read denominator (model/
-    # associative.py `take_read_minimum`; docs/armt.md, "Loss spikes"): phi^T z >= 0. The
-    # first step reads only fresh (empty) memories, which do not count.
+    # model/mechanisms/armt/associative.py `take_read_minimum`; docs/armt.md, "Loss spikes"): phi^T
+    # z >= 0. The first step reads only fresh (empty) memories, which do not count.
     for layer in (0, 1):
         lows = step_losses(tmp_path / "runs" / "straight", f"read_den_min/{layer}")
         assert sorted(lows) == list(range(2, 13)) and all(v >= 0 for v in lows.values())

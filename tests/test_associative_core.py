@@ -1,6 +1,6 @@
-"""ARMT's associative memory (model/associative.py) as specifications.
+"""ARMT's associative memory (model/mechanisms/armt/associative.py) as specifications.
 
-The reference below is written straight from the equations in model/associative.py's
+The reference below is written straight from the equations in model/mechanisms/armt/associative.py's
 docstring: loops over batch rows and memory tokens, float64, no einsum, no DPFP roll.
 """
 
@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from model.associative import AssociativeLayer, AssociativeMemory, FeatureMap, dpfp
+from model.mechanisms.armt.associative import AssociativeLayer, AssociativeMemory, FeatureMap, dpfp
 
 EPS = 1e-5
 

@@ -1,15 +1,15 @@
-"""ARMT's hand-written state backward (model/associative_grad.py) against plain autograd
-over the same equations (model/associative.py), in float64: every input's gradient, for
-the ways a segment uses A_l (read then write, a read alone, a write alone, a state that
-needs no gradient, a layer whose gradient never arrives)."""
+"""ARMT's hand-written state backward (model/mechanisms/armt/associative_grad.py) against plain
+autograd over the same equations (model/mechanisms/armt/associative.py), in float64: every input's
+gradient, for the ways a segment uses A_l (read then write, a read alone, a write alone, a state
+that needs no gradient, a layer whose gradient never arrives)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import model.associative_grad as ag
-from model.associative import AssociativeLayer, AssociativeMemory
+import model.mechanisms.armt.associative_grad as ag
+from model.mechanisms.armt.associative import AssociativeLayer, AssociativeMemory
 
 B, N, M, D, DK, LAYERS = 2, 5, 3, 8, 4, 3
 

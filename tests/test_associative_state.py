@@ -1,5 +1,5 @@
-"""ARMT's associative memory state (model/associative.py AssociativeMemory) under the
-memory-state protocol of model/memory.py: built empty, written per segment, saved and
+"""ARMT's associative memory state (model/mechanisms/armt/associative.py AssociativeMemory) under
+the memory-state protocol of model/memory.py: built empty, written per segment, saved and
 loaded, moved, its rows selected, joined and reset."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_associative_core import random_layer
 
-from model.associative import AssociativeMemory
+from model.mechanisms.armt.associative import AssociativeMemory
 from model.memory import MemoryState, XLMemory
 
 

@@ -327,7 +327,7 @@ def test_an_import_becomes_a_run_with_max_steps_0_then_fine_tunes_from_it(
 def test_the_authors_gamma_is_one_on_the_first_write_then_has_eps_in_its_numerator():
     """model.armt.authors_gamma: gamma = 1 on a row's first write, then
     clip(1 - (phi(k)^T z + eps) / (|phi(k)|^2 + eps), 0, 1), as the authors' code does."""
-    from model.associative import EPS, AssociativeLayer, dpfp
+    from model.mechanisms.armt.associative import EPS, AssociativeLayer, dpfp
     torch.manual_seed(0)
     layer = AssociativeLayer(8, 2, authors_gamma=True)
     plain = AssociativeLayer(8, 2)

@@ -15,9 +15,9 @@ from reference import tiny_config
 import model.attention as attention
 import model.lm
 from model import build_model
-from model.mechanisms import Mechanism, register, unregister
+from model.mechanisms.xl.core import TransformerXL
+from model.registry import Mechanism, register, unregister
 from model.shapes import AttentionShape, LayerShape, SegmentShapes, TensorShape
-from model.transformer_xl import TransformerXL
 from planner.activations import Dims, count_params, state_bytes
 from planner.plan import main_plan
 from planner.recompute import segment_ops

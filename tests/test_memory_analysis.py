@@ -16,7 +16,7 @@ from train_helpers import run_train, tiny_config
 import model.attention as attention
 from evaluation.analyze_cli import main_analyze
 from evaluation.memory_plots import DistanceProfile, MemoryAnalysis, RMTBlocks, recording
-from model.rmt import rmt_allowed
+from model.mechanisms.rmt.core import rmt_allowed
 
 SEG = 4
 CASES = {

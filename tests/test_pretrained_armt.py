@@ -1,7 +1,7 @@
 """ARMT around a pretrained Hugging Face decoder (`model: {mechanism: armt, backbone: hf}`,
-model/pretrained/associative.py): the wrapper computes what a naive layer-by-layer run of
-the equations of model/associative.py computes, its memory is inert until trained, the
-associative state carries gradient exactly as far as it is not detached, segment and layer
+model/mechanisms/armt/pretrained.py): the wrapper computes what a naive layer-by-layer run of
+the equations of model/mechanisms/armt/associative.py computes, its memory is inert until trained,
+the associative state carries gradient exactly as far as it is not detached, segment and layer
 checkpointing change nothing, and `memtrain train` trains and resumes it exactly."""
 
 from __future__ import annotations

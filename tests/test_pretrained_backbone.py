@@ -10,8 +10,8 @@ from pretrained_helpers import TINY, V, hf_model_section
 
 from data_pipeline.streams import SegmentBatch
 from model import ConfigError, ModelConfig, build_model, resolve_shape
+from model.mechanisms.rmt.core import rmt_allowed
 from model.pretrained.positions import memory_position_ids
-from model.rmt import rmt_allowed
 from train.bptt import run_window
 
 ARCHS = ("gpt2", "llama")

@@ -143,7 +143,7 @@ def test_checkpointed_segments_recompute_through_the_compiled_layers(ckpt, mecha
 def test_checkpointed_layers_compose_with_armts_hooks(ckpt):
     # model.checkpoint_layers: HF's gradient checkpointing wraps each layer's call, so the
     # compiled forward runs inside the checkpoint, and so do ARMT's read and write hooks
-    # (associative.py), both at the forward and at the recompute.
+    # (model/mechanisms/armt/pretrained.py), both at the forward and at the recompute.
     eager, *_ = _train(ckpt["gpt2"], "armt", False, checkpoint_layers=True)
     compiled, graphs, breaks, _ = _train(ckpt["gpt2"], "armt", True, checkpoint_layers=True)
     assert compiled == eager

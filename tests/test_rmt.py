@@ -4,7 +4,7 @@ import pytest
 import torch
 from reference import tiny_model
 
-from model.rmt import rmt_allowed
+from model.mechanisms.rmt.core import rmt_allowed
 
 # RMT §3 as a table, for m = 2 memory tokens, L = 3 tokens, an XL cache of 2.
 # Rows: read r0 r1 | tokens t0 t1 t2 | write w0 w1. Columns: cache c0 c1 | same as rows.

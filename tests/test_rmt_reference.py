@@ -1,5 +1,5 @@
 """RMT pinned to the paper, not to itself: a naive forward written from RMT §3.2 (Bulatov et
-al. 2022) and Transformer-XL §3.3, compared with model/rmt.py on random weights.
+al. 2022) and Transformer-XL §3.3, compared with model/mechanisms/rmt/core.py on random weights.
 
 The reference builds H̃^0 = [H^mem ∘ H^0 ∘ H^mem] by hand, lets every row attend with the
 paper's rule (memory rows see their blocks in full; "the causal attention mask is applied

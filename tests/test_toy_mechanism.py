@@ -7,7 +7,7 @@ s_{τ+1} = decay * s_τ + (1 - decay) * mean_t h_τ,t (the segment's top-layer o
 to every embedding of the next segment through a learned projection. One option
 (`model.toy.decay`, in [0, 1)). It is named in the run config by its import path,
 "test_toy_mechanism:Toy", so every process that reads the config finds it
-(model/mechanisms/registry.py); the fixture removes it again, so the other tests' configs
+(model/registry.py); the fixture removes it again, so the other tests' configs
 never see its section.
 """
 
@@ -24,11 +24,11 @@ from train_helpers import tiny_config, train_in_process
 
 from model import ConfigError, ModelConfig, build_model
 from model.backbone import RelativeBackbone, causal_allowed
-from model.mechanisms import Mechanism, get, unregister
+from model.mechanisms.xl.core import TransformerXL
 from model.memory import MemoryState, XLMemory
 from model.positional import distance_list
+from model.registry import Mechanism, get, unregister
 from model.shapes import TensorShape
-from model.transformer_xl import TransformerXL
 
 NAME = "test_toy_mechanism:Toy"
 

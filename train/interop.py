@@ -30,8 +30,8 @@ from safetensors.torch import save_file
 
 from model import ModelConfig, backbone_of, build_model
 from model.io import save_model
-from model.mechanisms.registry import by_authors_format
 from model.pretrained.authors_format import lora_state
+from model.registry import by_authors_format
 from model.weights_file import WeightsError, check_checkpoint_dir, read_weights
 
 # Buffers older transformers saved in state dicts and current ones rebuild (GPT-2's causal

@@ -104,8 +104,8 @@ class TrainingLoop:
         # one; logged apart from the LM loss as "aux_loss" when any window had one.
         self._aux_sum, self._aux_windows = 0.0, 0
         # Per-layer minima the model keeps on the device (`take_read_minimum`: ARMT's
-        # smallest relative read denominator, model/associative.py), read with the step's
-        # flags and kept on the host until a log line names them ("read_den_min/<layer>",
+        # smallest relative read denominator, model/mechanisms/armt/associative.py), read with the
+        # step's flags and kept on the host until a log line names them ("read_den_min/<layer>",
         # this rank's reads).
         self._minima_sources = [m for m in self.engine.module.modules()
                                 if hasattr(m, "take_read_minimum")]

@@ -6,8 +6,8 @@
 - fp32: everything fp32.
 - bf16: the model runs with bf16 weights; activations and the carried memory (the XL and
   LaMemo caches, RMT's memory tokens) are bf16, but for LaMemo's log-normalisers (fp32 by
-  design, model/lamemo.py); the optimizer keeps fp32 master weights and fp32 Adam moments;
-  gradients are summed in fp32 (`deepspeed.grad_dtype`).
+  design, model/mechanisms/lamemo/core.py); the optimizer keeps fp32 master weights and fp32 Adam
+  moments; gradients are summed in fp32 (`deepspeed.grad_dtype`).
 - fp16: as bf16 in fp16, with the loss scaled (dynamic loss scaling, skipped steps).
 
 So a checkpoint of a bf16 run holds bf16 module weights, fp32 master weights and moments

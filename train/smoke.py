@@ -21,7 +21,7 @@ import torch
 
 from data_pipeline.synthetic import contiguous_streams, repeat_block_stream
 from model import ModelConfig, build_model
-from model.mechanisms import get, names
+from model.registry import get, names
 
 SEG_LEN = 16
 N_STREAMS = 16

@@ -11,8 +11,8 @@ after it:
   0 .. m-1, token i at m + i, in both patterns.
 - ARMT, [tokens | memory]: the token rows come first under the causal mask, at positions
   0 .. L-1, and each layer's input gets the associative read of the COMMITTED state, which
-  is fixed for the whole segment (associative.py); the writes come from the memory rows,
-  which do not exist until the segment is committed.
+  is fixed for the whole segment (model/mechanisms/armt/pretrained.py); the writes come from the
+  memory rows, which do not exist until the segment is committed.
 
 So the rows of a prefix of the segment are what the full segment's forward computes for
 them: the read block is run once (RMT), and every later call runs only the new tokens

@@ -16,7 +16,7 @@ keep the positions a pretrained model saw (0-based after the memory). The author
 gives the memory default positions 0 .. 2m+L-1, which moves the write block with L.
 
 Attention pattern, `model.rmt.pattern`:
-- "paper": the native RMT table (model/rmt.py `rmt_allowed`, written out in
+- "paper": the native RMT table (model/mechanisms/rmt/core.py `rmt_allowed`, written out in
   tests/test_rmt.py): every row reads the read block; tokens are causal among themselves;
   the write rows see the read block, every token and the whole write block. Positions by
   the rule above.
@@ -26,8 +26,8 @@ Attention pattern, `model.rmt.pattern`:
   The decoder gets no mask and plain positions: exactly the base model's forward on
   `inputs_embeds = [mem; E(x); mem]`.
 
-ARMT (Rodkin et al. 2024; model/armt.py) has no read block: [tokens | memory], L + m rows,
-under the base model's own causal mask (the memory rows, last, see every token), with
+ARMT (Rodkin et al. 2024; model/mechanisms/armt/core.py) has no read block: [tokens | memory], L + m
+rows, under the base model's own causal mask (the memory rows, last, see every token), with
 
     tokens 0 .. L-1
     memory T .. T+m-1,       T = max(L, tgt_len)
@@ -56,7 +56,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..rmt import rmt_allowed
+from ..mechanisms.rmt.core import rmt_allowed
 from .traits import refuse_sequence_positions, traits_of
 
 

@@ -8,8 +8,8 @@ Why per layer, not the whole base model:
   model compiles once per layer kind, whatever its depth (tests/test_pretrained_compile.py
   counts the graphs: one per layer kind and segment shape).
 - Only `forward` is swapped on the instance, not the module's call: the forward hooks of
-  ARMT and Titans (associative.py, titans.py: the memory's read before a layer, its write
-  after) run eager around the compiled layer, and so do ZeRO-3's gathers and HF's
+  ARMT and Titans (model/mechanisms/armt/pretrained.py, titans.py: the memory's read before a layer,
+  its write after) run eager around the compiled layer, and so do ZeRO-3's gathers and HF's
   gradient checkpointing (`model.checkpoint_layers`), which wraps the layer's call. The
   embedding, the rotary table, the masks and the head stay eager too.
 - Inside a layer the compiler fuses what sits between the matmuls: LayerNorm or RMSNorm

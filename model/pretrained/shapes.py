@@ -33,10 +33,10 @@ The state: the write rows' copy [B, m, d].
 
 A mixture of experts' layer: moe_shapes.py.
 
-ARMT (`mechanism: armt`, Rodkin et al. 2024; wrapper.py, associative.py): Q = L + m rows
-[tokens | memory] under the base model's causal mask, no read block; before each layer an
-associative block (associative.py `associative_shapes`: its read and write, and the layer's
-A and z), and the state A, z per layer in float32. Under `checkpoint_layers` the hooks
+ARMT (`mechanism: armt`, Rodkin et al. 2024; wrapper.py, model/mechanisms/armt/pretrained.py): Q = L
++ m rows [tokens | memory] under the base model's causal mask, no read block; before each layer an
+associative block (model/mechanisms/armt/pretrained.py `associative_shapes`: its read and write, and
+the layer's A and z), and the state A, z per layer in float32. Under `checkpoint_layers` the hooks
 checkpoint the read and write too: a layer keeps the read's input and output, 2Q rows.
 
 Which parameters train is read from the model itself, built on the meta device from the

@@ -15,8 +15,8 @@ under the base model's own causal mask: token x_j sees p, and h_i, x_i for i <= 
 read with token i's query, so it sits right before x_i). The persistent tokens p (Eq. 19)
 are learned inputs that pass through the layers, as the paper prepends them. h_i and x_i
 share a position id (P + i; the p rows take 0 .. P-1), so the tokens keep the spacing the
-model was trained with. As for ARMT (associative.py), the hooks live for one `decode`
-call: they close over its incoming state and collect its updates.
+model was trained with. As for ARMT (model/mechanisms/armt/pretrained.py), the hooks live for one
+`decode` call: they close over its incoming state and collect its updates.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """ARMT's associative memory around a pretrained decoder's own layers (Rodkin et al. 2024;
-the equations are model/associative.py's, the native forward model/armt.py's).
+the equations are model/mechanisms/armt/associative.py's, the native forward
+model/mechanisms/armt/core.py's).
 
 For each decoder layer l of the base model, during one segment:
 
@@ -31,9 +32,9 @@ from dataclasses import dataclass, field
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from ..associative import AssociativeLayer, AssociativeMemory, FeatureMap
-from ..shapes import StatedBlock, TensorShape
-from .layers import layer_hidden
+from ...pretrained.layers import layer_hidden
+from ...shapes import StatedBlock, TensorShape
+from .associative import AssociativeLayer, AssociativeMemory, FeatureMap
 
 
 @dataclass
@@ -108,13 +109,13 @@ def associative_shapes(cfg, rows: int, q: int, m: int, trained_params: int
                                   tuple[TensorShape, ...]]:
     """For the planner (shapes.py): one layer's associative read and write as a stated
     block, the state (A, z per layer, float32; the carried tokens where configured) and its
-    text. What autograd keeps (model/associative.py; listed off a tiny model's saved
+    text. What autograd keeps (model/mechanisms/armt/associative.py; listed off a tiny model's saved
     tensors): the read's input h, the two ReLU outputs of DPFP, its two factors and phi(q)
     (which the einsum keeps when A requires grad: from a window's second segment on), phi^T A
     and phi^T z (the division's operands); the write's inputs (each projection copies the
     strided memory rows), the ReLU outputs, the factors and phi(k), and what the write's
-    hand-written backward keeps (model/associative_grad.py): phi(k)^T A, v - vbar, beta and
-    phi(k)^T z + eps; the z update keeps gamma. In a window's first segment phi(q) is not
+    hand-written backward keeps (model/mechanisms/armt/associative_grad.py): phi(k)^T A, v - vbar,
+    beta and phi(k)^T z + eps; the z update keeps gamma. In a window's first segment phi(q) is not
     kept (A does not require grad). Last, the incoming A and z, which every layer reads:
     for the segment's input side (the embedding block, which layer checkpointing leaves alone);
     made inside the window from its second segment on, in its first one they are the

@@ -2,7 +2,7 @@
 native relative-position stack.
 
 ARMT is RMT whose memory tokens write, in every layer, into an associative matrix that
-every position of the next segment reads (model/associative.py has the read and the
+every position of the next segment reads (model/mechanisms/armt/associative.py has the read and the
 delta-rule write, with their equations). Per segment, as the authors' code runs it
 (modeling_amt/language_modeling.py of RodkinIvan/associative-recurrent-memory-transformer):
 
@@ -30,12 +30,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ...backbone import Lengths, RelativeBackbone, causal_allowed
+from ...config import ModelConfig
+from ...memory_tokens import memory_token_parameters, side_cache, write_rows
+from ...positional import distance_list
+from ...shapes import AttentionShape, LayerShape, SegmentShapes, TensorShape, xl_cache
 from .associative import AssociativeLayer, AssociativeMemory, checkpoint_first_run
-from .backbone import Lengths, RelativeBackbone, causal_allowed
-from .config import ModelConfig
-from .memory_tokens import memory_token_parameters, side_cache, write_rows
-from .positional import distance_list
-from .shapes import AttentionShape, LayerShape, SegmentShapes, TensorShape, xl_cache
 
 
 def associative_layer(cfg: ModelConfig) -> AssociativeLayer:
@@ -62,8 +62,8 @@ def memory_token_inputs(memory_init: torch.Tensor, state: AssociativeMemory, bsz
 
 def initial_state(blocks: nn.ModuleList, batch_size: int, device=None) -> AssociativeMemory:
     """ARMT's initial state, on either backbone: A = 0, z = 0 in every layer, which IS a
-    fresh document (model/associative.py). No XL cache yet: whether there is one is decided
-    in forward by the run-time lengths (evaluation may switch it on or off), as for RMT."""
+    fresh document (model/mechanisms/armt/associative.py). No XL cache yet: whether there is one is
+    decided in forward by the run-time lengths (evaluation may switch it on or off), as for RMT."""
     b = blocks[0]
     return AssociativeMemory.zeros(batch_size, len(blocks), b.d_phi, b.d_value, device=device)
 

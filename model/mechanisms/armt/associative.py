@@ -55,8 +55,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...memory import MemoryState, XLMemory, _register, _zero_rows
 from .associative_grad import StateGradient, delta_write, read_numerator, unbind_layers
-from .memory import MemoryState, XLMemory, _register, _zero_rows
 
 EPS = 1e-5  # the authors' code adds 1e-5 to every denominator
 FEATURE_MAPS = ("dpfp", "identity", "elu")
@@ -360,7 +360,7 @@ class AssociativeLayer(nn.Module):
         """`read`, and A as this layer's `write` must take it: in training the read
         then assembles the gradient of A_l from its own and the write's in one baddbmm,
         into layer l's slot of the segment's `grad` buffer (`AssociativeMemory.layers`;
-        model/associative_grad.py). Outside training A comes back as it went in."""
+        model/mechanisms/armt/associative_grad.py). Outside training A comes back as it went in."""
         out, A = self._retrieve(A, z, hidden, grad, l)
         if self.out_proj is not None:
             out = self.out_proj(out.to(self.out_proj.weight.dtype))
@@ -389,7 +389,7 @@ class AssociativeLayer(nn.Module):
         else:
             gamma = torch.ones_like(den)
         # A + sum_i phi(k_i) (beta_i (v_i - vbar_i))^T, vbar_i = (phi(k_i)^T A) r_i, as one
-        # baddbmm whose backward is written by hand (model/associative_grad.py).
+        # baddbmm whose backward is written by hand (model/mechanisms/armt/associative_grad.py).
         A_new = delta_write(A, f, v, beta, self._floored(den, f) + self.eps)
         z_new = z + torch.einsum("bmf,bm->bf", f, gamma)
         return A_new, z_new

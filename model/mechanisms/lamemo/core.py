@@ -24,12 +24,12 @@ import math
 import torch
 from torch import nn
 
-from .attention import AttnLayout
-from .backbone import Learned, Lengths, RelativeBackbone, causal_allowed
-from .config import ModelConfig
-from .memory import LaMemoMemory, _fifo, _last
-from .positional import distance_list
-from .shapes import AttentionShape, LayerShape, SegmentShapes, TensorShape
+from ...attention import AttnLayout
+from ...backbone import Learned, Lengths, RelativeBackbone, causal_allowed
+from ...config import ModelConfig
+from ...memory import LaMemoMemory, _fifo, _last
+from ...positional import distance_list
+from ...shapes import AttentionShape, LayerShape, SegmentShapes, TensorShape
 
 
 class LaMemo(RelativeBackbone):

@@ -21,8 +21,8 @@ baddbmm and autograd never sums two |A_l|-sized tensors. s = phi(k)^T z + eps an
 everything on z stay plain autograd (z is d_phi wide, not d_phi x d_v). In a checkpointed
 segment's re-run in backward, the write's output A_l' is not computed: only what the
 segment saves for backward is needed there, and nothing saves A_l' (the next segment's
-input is the first run's). The equations are model/associative.py's; the gradients equal
-plain autograd's to rounding (tests/test_armt_costs.py).
+input is the first run's). The equations are model/mechanisms/armt/associative.py's; the gradients
+equal plain autograd's to rounding (tests/test_armt_costs.py).
 
 Used in a training forward only (autograd on, not under torch.compile, whose tracing of a
 Function's backward this file does not need: the plain ops compile as they are).

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from .backbone import Lengths, RelativeBackbone, causal_allowed
-from .config import ModelConfig
-from .memory import XLMemory
-from .positional import distance_list
-from .shapes import AttentionShape, LayerShape, SegmentShapes, xl_cache
+from ...backbone import Lengths, RelativeBackbone, causal_allowed
+from ...config import ModelConfig
+from ...memory import XLMemory
+from ...positional import distance_list
+from ...shapes import AttentionShape, LayerShape, SegmentShapes, xl_cache
 
 
 class TransformerXL(RelativeBackbone):

@@ -1,11 +1,11 @@
 """Transformer-XL (Dai et al. 2019) as a registered mechanism: no options of its own (its
 lengths are `model.mem_len`, `clamp_len`, `same_length`); the forward is
-model/transformer_xl.py. mem_len 0 is the no-memory baseline."""
+model/mechanisms/xl/core.py. mem_len 0 is the no-memory baseline."""
 
 from __future__ import annotations
 
-from ..memory import XLMemory
-from .registry import Mechanism, register
+from ...memory import XLMemory
+from ...registry import Mechanism, register
 
 
 @register
@@ -14,5 +14,5 @@ class XL(Mechanism):
     state = XLMemory
 
     def core_class(self, cfg) -> type:
-        from ..transformer_xl import TransformerXL
+        from .core import TransformerXL
         return TransformerXL

@@ -1,9 +1,9 @@
 """The mechanism registry: `ModelConfig.mechanism` -> the `Mechanism` that runs it.
 
-A memory mechanism is one module of this package (xl.py, lamemo.py, rmt.py, armt.py,
-titans.py) with a subclass of `Mechanism`, registered by name. It states everything the
-rest of the house asks of it, so that nothing outside the mechanism modules branches on a
-mechanism's name:
+A memory mechanism is one folder of model/mechanisms/ (xl/, lamemo/, rmt/, armt/, ...)
+whose mechanism.py holds a subclass of `Mechanism`, registered by name. It states
+everything the rest of the house asks of it, so that nothing outside the mechanism folders
+branches on a mechanism's name:
 
     options      its config section (`model.<section>`, a dataclass) and its validation
     state        its `MemoryState` subclass (model/memory.py) and its initial state
@@ -15,10 +15,13 @@ mechanism's name:
                  (model/pretrained/wrapper.py delegates to these), and its segment's rows
                  for the planner (model/pretrained/shapes.py)
 
-docs/mechanisms.md walks through adding one. A mechanism in a module of one's own (not in
-this package) is named in the config by its import path, "package.module:ClassName": `get`
-imports the module, so the mechanism is known in every process that reads the config (the
-ranks the launcher starts included), not only in the one that defined it.
+This file sits below the mechanisms and the config (it imports only model/typed.py): the
+config reads the registry, and the registry imports a built-in mechanism's module by name
+only when it is first asked for it. docs/mechanisms.md walks through adding one. A
+mechanism in a module of one's own (not in this package) is named in the config by its
+import path, "package.module:ClassName": `get` imports the module, so the mechanism is
+known in every process that reads the config (the ranks the launcher starts included), not
+only in the one that defined it.
 """
 
 from __future__ import annotations
@@ -27,12 +30,15 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..typed import ConfigError
+from .typed import ConfigError
 
 _REGISTRY: dict[str, Mechanism] = {}
-# The built-in mechanisms' modules, in the order their config sections are written: a new
-# mechanism of this package is one module and one entry here.
-BUILTIN = ("xl", "lamemo", "rmt", "armt", "titans")
+# The built-in mechanisms, in the order their config sections are written, and the module
+# of each that registers it (its folder's mechanism.py under model/mechanisms/): a new
+# mechanism of this package is one folder and one entry here.
+_MODULES = {"xl": "xl.mechanism", "lamemo": "lamemo.mechanism", "rmt": "rmt.mechanism",
+            "armt": "armt.mechanism", "titans": "titans"}
+BUILTIN = tuple(_MODULES)
 
 
 class Mechanism:
@@ -136,7 +142,7 @@ class Mechanism:
     def pretrained_open_segment(self, lm, state):
         """The open segment of a generation (model/open_segment.py): by default re-read
         whole at every new token."""
-        from ..open_segment import RerunSegment
+        from .open_segment import RerunSegment
         return RerunSegment(lm, lm.next_token_log_probs, state)
 
     def pretrained_rows(self, cfg, rows: int, trained_params: int):
@@ -188,7 +194,7 @@ def register(cls: type[Mechanism]) -> type[Mechanism]:
     if (cls.section is None) != (cls.options is None):
         raise ValueError(f"{cls.__name__}: section and options go together")
     if cls.state is not None:
-        from ..memory import _register as register_state
+        from .memory import _register as register_state
         register_state(cls.state)
     _REGISTRY[cls.name] = cls()
     return cls
@@ -200,9 +206,9 @@ def unregister(name: str) -> None:
 
 def _builtins() -> None:
     # `get` runs on every forward (`cfg.mech`): import only while a built-in is missing.
-    for module in BUILTIN:   # each registers itself on import
-        if module not in _REGISTRY:
-            importlib.import_module(f"{__package__}.{module}")
+    for name in BUILTIN:   # each registers itself on import
+        if name not in _REGISTRY:
+            importlib.import_module(f"{__package__}.mechanisms.{_MODULES[name]}")
 
 
 def get(name: str) -> Mechanism:

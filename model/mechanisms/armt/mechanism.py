@@ -1,8 +1,8 @@
 """Associative Recurrent Memory Transformer (Rodkin et al. 2024) as a registered mechanism:
 its options (`model.armt`) and their validation, its traits, and its segment around a
-pretrained decoder. The native forward is model/armt.py, the associative read and write
-model/associative.py, the hooks around a pretrained model's layers
-model/pretrained/associative.py.
+pretrained decoder. The native forward is model/mechanisms/armt/core.py, the associative read and
+write model/mechanisms/armt/associative.py, the hooks around a pretrained model's layers
+model/mechanisms/armt/pretrained.py.
 
 Around a pretrained decoder:
 
@@ -24,76 +24,20 @@ that field). A config that sets both to different counts is refused.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from ..associative import READ_PRECISIONS, AssociativeMemory
-from ..memory_tokens import pretrained_memory_init
-from ..typed import ConfigError
-from .registry import AuthorsCheckpoint, Mechanism, register
-from .rmt import (
+from ...memory_tokens import pretrained_memory_init
+from ...registry import AuthorsCheckpoint, Mechanism, register
+from ...typed import ConfigError
+from ..rmt.mechanism import (
     RMTOptions,
     check_memory_norm,
     check_memory_tokens,
     check_pattern,
 )
-
-FEATURE_MAPS = ("dpfp", "elu", "identity")
-ARMT_MEMORY_POSITIONS = ("fixed", "follow", "table_end")
-
-
-@dataclass
-class ARMTOptions:
-    """Associative Recurrent Memory Transformer (Rodkin et al. 2024) options; model/armt.py
-    has the equations. Its m memory tokens are placed after the segment's tokens, and
-    their outputs write every layer's association matrix. The defaults are the authors'
-    code."""
-
-    # m; null: `model.rmt.num_mem_tokens` (what configs written before this field set).
-    num_mem_tokens: int | None = None
-    # Width of q and k before the feature map (the authors' d_mem; 64 in their scripts).
-    d_key: int = 64
-    # phi: "dpfp" (deterministic parameter-free projection, the authors'), "elu" (elu + 1)
-    # or "identity" (the alternative left in their code; its normaliser can be <= 0).
-    feature_map: str = "dpfp"
-    # DPFP's nu: phi has 2 * nu * d_key entries (3 in the authors' code).
-    nu: int = 3
-    # beta = sigmoid(w_b . m + b), the importance of each memory token's write; false: 1.
-    gate: bool = True
-    # gamma, the normaliser's correction for a key already stored (the authors'
-    # --no_correction turns it off); false: every write adds phi(k) to z.
-    correction: bool = True
-    # gamma as the authors' code computes it (eps also in its numerator, 1 on a row's first
-    # write); the default drops that eps so a zero state is a fresh one with no flag
-    # (model/associative.py). `memtrain import --format armt-authors` sets it.
-    authors_gamma: bool = False
-    # false (the authors'): every segment's memory tokens start from the same learned
-    # vectors and only the association matrices cross the boundary; true: the write
-    # outputs are also carried as the next segment's memory tokens (RMT's recurrence on
-    # top of the associative memory), through `model.rmt.memory_norm`.
-    carry_tokens: bool = False
-    # Position ids of the memory tokens around a pretrained model (backbone hf; the native
-    # stack's positions are relative). "fixed": T .. T+m-1, T = max(L, tgt_len), the same
-    # rows whatever the segment's length; "follow": L .. L+m-1, right after the segment
-    # (the authors' code without wrap_pos: the base model's default positions); "table_end":
-    # the last m rows of a learned position table (the authors' wrap_pos, which appends m
-    # rows to GPT-2's table for the memory). model/pretrained/positions.py.
-    memory_positions: str = "fixed"
-    # The operands of the associative read: "fp32" (exact, the default) or "bf16" (phi(q),
-    # A and z rounded to bf16 for one tensor-core matmul; the state and the write stay
-    # float32). Its drift against fp32 over 512 segments is measured and bounded in
-    # tests/test_armt_costs.py; docs/armt-costs.md, "The read in bf16".
-    read_precision: str = "fp32"
-    # Under segment checkpointing, move each segment's incoming A and z to host memory
-    # after its forward and back for its re-run in backward (model/associative.py
-    # `AssociativeMemory.offload`): the device then holds O(1) states instead of one per
-    # segment of the window, at the price of two copies of |A| per segment. Exact.
-    offload_state: bool = False
-    # A floor under the read's and the write's denominator, phi^T z >= floor * |phi|^2
-    # (model/associative.py; docs/armt.md, "Loss spikes"): 0, the default, is the authors'
-    # read exactly; 1 bounds the read of a query on features that gamma kept out of z.
-    denominator_floor: float = 0.0
+from .associative import READ_PRECISIONS, AssociativeMemory
+from .options import ARMT_MEMORY_POSITIONS, FEATURE_MAPS, ARMTOptions
 
 
 def token_field(cfg) -> str:
@@ -114,8 +58,8 @@ class ARMT(Mechanism):
     # On the repeat-block stream it stays at chance to 1000 steps (docs/armt.md).
     in_smoke = False
     # The blocks keep the authors' init: nn.Linear's default for W_q, W_k and the gate,
-    # W_v = 0 (model/associative.py); N(0, init_std) keys would make phi(k)^T z of the
-    # order of the denominators' eps.
+    # W_v = 0 (model/mechanisms/armt/associative.py); N(0, init_std) keys would make phi(k)^T z of
+    # the order of the denominators' eps.
     own_init = ("memory_init", "memory_layer_norm", "associative.")
     pretrained = True
     authors_format = "armt-authors"
@@ -162,15 +106,15 @@ class ARMT(Mechanism):
                               "stack's positions are relative")
 
     def core_class(self, cfg) -> type:
-        from ..armt import ARMT as Core
+        from .core import ARMT as Core
         return Core
 
     # -- around a pretrained decoder -------------------------------------------------------
     def pretrained_parameters(self, cfg, base, memory_scale):
         from torch import nn
 
-        from ..armt import associative_layer
-        from ..pretrained.layers import decoder_layers_name
+        from ...pretrained.layers import decoder_layers_name
+        from .core import associative_layer
         memory_init = pretrained_memory_init(cfg, base, self.num_mem_tokens(cfg),
                                              memory_scale)
         # A name, not the module list itself: a second reference to the base's layers
@@ -182,15 +126,15 @@ class ARMT(Mechanism):
                                              for _ in range(cfg.n_layer))}
 
     def pretrained_initial_state(self, lm, batch_size, device=None):
-        from ..armt import initial_state
+        from .core import initial_state
         return initial_state(lm.associative, batch_size, device)
 
     def pretrained_decode(self, lm, emb, state):
-        from ..armt import memory_token_inputs
-        from ..associative import checkpoint_first_run
-        from ..memory_tokens import write_rows
-        from ..pretrained.associative import associative_pass
-        from ..pretrained.positions import armt_position_ids, causal_attention
+        from ...memory_tokens import write_rows
+        from ...pretrained.positions import armt_position_ids, causal_attention
+        from .associative import checkpoint_first_run
+        from .core import memory_token_inputs
+        from .pretrained import associative_pass
         cfg = lm.cfg
         state = state.resident()
         bsz, n_tok, _ = emb.shape
@@ -217,8 +161,8 @@ class ARMT(Mechanism):
         return h[:, :n_tok], new_state
 
     def pretrained_open_segment(self, lm, state):
-        from ..pretrained.associative import associative_pass
-        from ..pretrained.incremental import CachedSegment
+        from ...pretrained.incremental import CachedSegment
+        from .pretrained import associative_pass
         layers = lm.base.base_model.get_submodule(lm.layers_name)
 
         def reads(n_tok: int):
@@ -228,8 +172,8 @@ class ARMT(Mechanism):
         return CachedSegment(lm, state, offset=0, reads=reads)
 
     def pretrained_rows(self, cfg, rows, trained_params):
-        from ..pretrained.associative import associative_shapes
-        from ..shapes import MemoryRows, TensorShape
+        from ...shapes import MemoryRows, TensorShape
+        from .pretrained import associative_shapes
         m, q = self.num_mem_tokens(cfg), cfg.tgt_len + self.num_mem_tokens(cfg)
         assoc, state, text, state_read = associative_shapes(cfg, rows, q, m, trained_params)
         fresh = (TensorShape((rows, 1, 1), "bool"),) if cfg.armt.carry_tokens else ()
@@ -245,7 +189,7 @@ class ARMT(Mechanism):
                               "positions")
 
     def authors_split(self, state):
-        from ..pretrained.authors_format import split_armt_authors_state
+        from ...pretrained.authors_format import split_armt_authors_state
         base, memory, assoc, _, d_mem = split_armt_authors_state(state)
         return AuthorsCheckpoint(base, memory, own=assoc, facts={"d_key": d_mem},
                                  may_widen_positions=True)
@@ -264,7 +208,7 @@ class ARMT(Mechanism):
             "carry_tokens": False, "memory_positions": placement}}
 
     def authors_state(self, model) -> dict:
-        from ..pretrained.authors_format import to_armt_authors_state
+        from ...pretrained.authors_format import to_armt_authors_state
         layers = model.base.base_model.get_submodule(model.layers_name)
         path = next(n for n, mod in model.base.named_modules() if mod is layers)
         return to_armt_authors_state(model, path)

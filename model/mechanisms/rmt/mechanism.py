@@ -1,8 +1,8 @@
 """Recurrent Memory Transformer (Bulatov et al. 2022) as a registered mechanism: its options
 (`model.rmt`) and their validation, its traits and auxiliary loss (§3.4), and its segment
 around a pretrained decoder. The native forward and the pieces both backbones share (the
-mask of §3, the memory inputs, the write rows, the initial state) are model/rmt.py; the
-positions and pattern around a pretrained model are model/pretrained/positions.py.
+mask of §3, the memory inputs, the write rows, the initial state) are model/mechanisms/rmt/core.py;
+the positions and pattern around a pretrained model are model/pretrained/positions.py.
 
 Around a pretrained decoder (the base model's own layers):
 
@@ -16,44 +16,13 @@ positions): the plain base model, the baseline without memory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..memory import RMTMemory
-from ..memory_tokens import pretrained_memory_init
-from ..typed import ConfigError
-from .registry import AuthorsCheckpoint, Mechanism, register
-
-MEMORY_NORMS = ("unit", "embedding", "none")
-RMT_PATTERNS = ("paper", "causal")
-
-
-@dataclass
-class RMTOptions:
-    """Recurrent Memory Transformer (Bulatov et al. 2022) options."""
-
-    # m: memory tokens placed as a read block before and a write block after the segment.
-    num_mem_tokens: int = 10
-    # Let memory rows attend to the XL cache (RMT §3; the table is in tests/test_rmt.py); off
-    # in the LM code.
-    read_mem_from_cache: bool = False
-    # Auxiliary loss of §3.4 (Tr-XL + RMT): each write output predicts `mem_loss_token`.
-    mem_loss_weight: float = 0.0
-    mem_loss_token: int = 0
-    # Pre-LN only (post-LN outputs are already normalised): a LayerNorm on the write outputs
-    # before they become the next memory, or the memory's norm grows with every segment of
-    # a stream. "unit": gain 1 (the streams, quickstart and smoke were measured with it);
-    # "embedding": gain init_std * sqrt(d_model), the scale of the initial memory and the
-    # embeddings (the copy config); "none": no LayerNorm (the reverse and AR configs).
-    memory_norm: str = "unit"
-    # The attention pattern over [read | tokens | write]. "paper": RMT §3's rule (memory rows
-    # see their whole block, tokens are causal; the native stack and the LM code); "causal":
-    # the base model's own causal mask over the whole row at default positions 0..2m+L-1, as
-    # the RMT authors' Hugging Face wrapper (MemoryCell) runs it; pretrained backbones only.
-    # "paper" is the default for every backbone: as good on the mean and steadier on a
-    # pretrained model (docs/coming-from-authors.md), and what earlier runs computed.
-    pattern: str = "paper"
+from ...memory import RMTMemory
+from ...memory_tokens import pretrained_memory_init
+from ...registry import AuthorsCheckpoint, Mechanism, register
+from ...typed import ConfigError
+from .options import MEMORY_NORMS, RMT_PATTERNS, RMTOptions
 
 
 def check_memory_tokens(cfg, m: int, field: str) -> None:
@@ -108,7 +77,7 @@ class RMT(Mechanism):
                               "defined for the native stack only")
 
     def core_class(self, cfg) -> type:
-        from ..rmt import RMT as Core
+        from .core import RMT as Core
         return Core
 
     def aux_loss(self, cfg, softmax, state):
@@ -128,14 +97,14 @@ class RMT(Mechanism):
                                                       memory_scale)}
 
     def pretrained_initial_state(self, lm, batch_size, device=None):
-        from ..rmt import initial_memory
+        from .core import initial_memory
         return initial_memory(batch_size, self.num_mem_tokens(lm.cfg), lm.cfg.d_model, device)
 
     def pretrained_decode(self, lm, emb, state):
-        from ..memory_tokens import write_rows
-        from ..pretrained.paper_attention import paper_attention, splits
-        from ..pretrained.positions import causal_attention, memory_position_ids
-        from ..rmt import memory_inputs
+        from ...memory_tokens import write_rows
+        from ...pretrained.paper_attention import paper_attention, splits
+        from ...pretrained.positions import causal_attention, memory_position_ids
+        from .core import memory_inputs
         bsz, n_tok, _ = emb.shape
         m, base = self.num_mem_tokens(lm.cfg), lm.base
         if m == 0:
@@ -158,9 +127,9 @@ class RMT(Mechanism):
                                             fresh=torch.zeros_like(state.fresh))
 
     def pretrained_open_segment(self, lm, state):
-        from ..pretrained.incremental import CachedSegment
-        from ..pretrained.positions import memory_attention_mask
-        from ..rmt import memory_inputs
+        from ...pretrained.incremental import CachedSegment
+        from ...pretrained.positions import memory_attention_mask
+        from .core import memory_inputs
         m = self.num_mem_tokens(lm.cfg)
 
         def read_block(bsz: int, dtype):
@@ -173,7 +142,7 @@ class RMT(Mechanism):
         return CachedSegment(lm, state, offset=m, read_block=read_block if m else None)
 
     def pretrained_rows(self, cfg, rows, trained_params):
-        from ..shapes import MemoryRows, SdpaShape, TensorShape
+        from ...shapes import MemoryRows, SdpaShape, TensorShape
         m, n, d = cfg.rmt.num_mem_tokens, cfg.tgt_len, cfg.d_model
         q = 2 * m + n
         # The "paper" pattern's split (pretrained/paper_attention.py `splits`: the checkpoint's
@@ -193,7 +162,7 @@ class RMT(Mechanism):
             saved_label="the memory rows' fresh flags (torch.where)")
 
     def authors_split(self, state):
-        from ..pretrained.authors_format import split_authors_state
+        from ...pretrained.authors_format import split_authors_state
         return AuthorsCheckpoint(*split_authors_state(state))
 
     def authors_section(self, m, segment_size, **facts) -> dict:
@@ -201,7 +170,7 @@ class RMT(Mechanism):
         return {"mechanism": self.name, "rmt": {"num_mem_tokens": m, "pattern": "causal"}}
 
     def authors_state(self, model) -> dict:
-        from ..pretrained.authors_format import to_authors_state
+        from ...pretrained.authors_format import to_authors_state
         return to_authors_state(model)
 
 

@@ -19,13 +19,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention import AttnLayout
-from .backbone import Lengths, RelativeBackbone
-from .config import ModelConfig
-from .memory import RMTMemory
-from .memory_tokens import memory_token_parameters, side_cache, write_rows
-from .positional import distance_list
-from .shapes import AttentionShape, LayerShape, SegmentShapes, TensorShape, xl_cache
+from ...attention import AttnLayout
+from ...backbone import Lengths, RelativeBackbone
+from ...config import ModelConfig
+from ...memory import RMTMemory
+from ...memory_tokens import memory_token_parameters, side_cache, write_rows
+from ...positional import distance_list
+from ...shapes import AttentionShape, LayerShape, SegmentShapes, TensorShape, xl_cache
 
 
 def rmt_allowed(n_mem: int, n_tok: int, cache_len: int, cache_valid: torch.Tensor | None,
