@@ -196,6 +196,10 @@ class ModelConfig:
         else:
             object.__setattr__(self, name, value)
 
+    def mechanism_sections(self) -> dict[str, Any]:
+        """Every mechanism's options section by name: the declared ones, then `sections`."""
+        return {**{name: getattr(self, name) for name in DECLARED_SECTIONS}, **self.sections}
+
     @classmethod
     def config_fields(cls, values: dict[str, Any]) -> dict[str, Any]:
         """The fields `from_dict` accepts and their types (model/typed.py): the dataclass
@@ -241,6 +245,7 @@ class ModelConfig:
             raise ConfigError("model.backbone", f"unknown backbone {self.backbone!r}; choose "
                               f"one of {', '.join(BACKBONE_TRAITS)}")
         mech = self.mech   # an unknown mechanism is a ConfigError naming model.mechanism
+        mech.upgrade(self)
         if BACKBONE_TRAITS[self.backbone].check is not None:
             BACKBONE_TRAITS[self.backbone].check(self)
         if self.shape_read:

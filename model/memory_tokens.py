@@ -15,7 +15,8 @@ from .config import ModelConfig
 from .memory import XLMemory
 
 
-def memory_token_parameters(cfg: ModelConfig) -> tuple[Learned, nn.LayerNorm | None]:
+def memory_token_parameters(cfg: ModelConfig, memory_norm: str
+                            ) -> tuple[Learned, nn.LayerNorm | None]:
     """The learned initial memory [m, d] and, where the write outputs are carried, the
     LayerNorm they pass before becoming the next memory (RMT here; ARMT with carried tokens,
     model/mechanisms/armt/core.py)."""
@@ -29,12 +30,13 @@ def memory_token_parameters(cfg: ModelConfig) -> tuple[Learned, nn.LayerNorm | N
     # Pre-LN leaves the residual stream unnormalised, and the write outputs become the next
     # segment's layer-0 inputs, so without a norm the memory grows with every segment it
     # passes (measured at init: x44 over 200 segments of a stream) until the tokens cannot
-    # use it. Post-LN outputs are already normalised. Its gain is `rmt.memory_norm`
+    # use it. Post-LN outputs are already normalised. Its gain is `memory_norm` (the
+    # mechanism's option: `model.rmt.memory_norm`, `model.armt.memory_norm`)
     # (docs/rmt.md has what each choice measured).
     norm = None
-    if cfg.pre_lnorm and cfg.rmt.memory_norm != "none":
+    if cfg.pre_lnorm and memory_norm != "none":
         norm = nn.LayerNorm(cfg.d_model)
-        if cfg.rmt.memory_norm == "embedding":
+        if memory_norm == "embedding":
             nn.init.constant_(norm.weight, std)
     return memory_init, norm
 

@@ -83,6 +83,12 @@ class Mechanism:
     def validate(self, cfg) -> None:
         """Checks of its options against the whole config; ConfigError names the field."""
 
+    def upgrade(self, cfg) -> None:
+        """Bring a config written before a field of its section existed up to date, in
+        place, once, when the config is built (before `validate`): the field takes what the
+        older config meant, with a FutureWarning where the older config said it elsewhere.
+        Nothing by default."""
+
     def check_lengths(self, cfg, mem_len: int, clamp_len: int, same_length: bool,
                       section: str) -> None:
         """Its own rules on the memory lengths, after the common ones (model/config.py

@@ -25,7 +25,7 @@ def _key(cfg) -> str:
     import dataclasses
     return json.dumps({"mechanism": cfg.mechanism, "backbone": "hf", "mem_len": 0,
                        "tgt_len": 1, "hf": dataclasses.asdict(cfg.hf),
-                       **{n: dataclasses.asdict(o) for n, o in cfg.sections.items()}},
+                       **{n: dataclasses.asdict(o) for n, o in cfg.mechanism_sections().items()}},
                       sort_keys=True)
 
 

@@ -182,7 +182,7 @@ def base_facts(cfg) -> Base:
     tries."""
     require_shape(cfg, "the planner's segment shapes")
     key = {"mechanism": cfg.mechanism, "backbone": "hf", "mem_len": 0, "tgt_len": 1,
-           **{name: dataclasses.asdict(o) for name, o in cfg.sections.items()},
+           **{name: dataclasses.asdict(o) for name, o in cfg.mechanism_sections().items()},
            "hf": dataclasses.asdict(cfg.hf),
            **{name: getattr(cfg, name) for name in SHAPE_FIELDS}}
     return _base(json.dumps(key, sort_keys=True))

@@ -15,7 +15,7 @@ delta-rule write, with their equations). Per segment, as the authors' code runs 
 
 M are the same learned vectors in every segment (the authors': only A and z cross the
 boundary); `armt.carry_tokens` instead carries the write outputs as the next segment's M
-(RMT's recurrence on top, through `rmt.memory_norm`). There is no read block: what the
+(RMT's recurrence on top, through `armt.memory_norm`). There is no read block: what the
 tokens know of earlier segments comes from the associative reads. The memory rows sit
 after the tokens under the causal mask, so they see the whole segment and nothing of
 theirs leaks into the tokens' predictions. With mem_len > 0 the layers also attend to an
@@ -71,7 +71,7 @@ def initial_state(blocks: nn.ModuleList, batch_size: int, device=None) -> Associ
 class ARMT(RelativeBackbone):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.memory_init, norm = memory_token_parameters(cfg)
+        self.memory_init, norm = memory_token_parameters(cfg, cfg.armt.memory_norm)
         # The memory LayerNorm only where write outputs become the next memory tokens.
         self.memory_layer_norm = norm if cfg.armt.carry_tokens else None
         self.associative = nn.ModuleList(associative_layer(cfg) for _ in range(cfg.n_layer))
@@ -113,7 +113,7 @@ class ARMT(RelativeBackbone):
         if cache:
             state.extend(cache)
             text += f", {cache_text}"
-        norm = cfg.armt.carry_tokens and cfg.pre_lnorm and cfg.rmt.memory_norm != "none"
+        norm = cfg.armt.carry_tokens and cfg.pre_lnorm and cfg.armt.memory_norm != "none"
         return SegmentShapes((layer,) * cfg.n_layer, distances=k, output_rows=q,
                              state=tuple(state), state_text=text,
                              memory_norm_rows=m if norm else 0,

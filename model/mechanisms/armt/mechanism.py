@@ -15,35 +15,41 @@ under the base model's own causal mask, positions by positions.py `armt_position
 state is `AssociativeMemory` (A, z per layer, float32), not detached here: the caller's
 BPTT windows cut it.
 
-The memory-token count is `model.armt.num_mem_tokens`. Configs and checkpoints written
-before ARMT had its own count set `model.rmt.num_mem_tokens` only: with
-`model.armt.num_mem_tokens` unset (null), the count is read from there (and errors name
-that field). A config that sets both to different counts is refused.
+The memory-token count is `model.armt.num_mem_tokens` and the carried tokens' LayerNorm
+`model.armt.memory_norm`. Configs and checkpoints written before ARMT had them set RMT's,
+`model.rmt.num_mem_tokens` and `model.rmt.memory_norm`: where ARMT's are unset (null), they
+are set from those once, when the config is built (`ARMT.upgrade`, with a FutureWarning
+where RMT's is not its default; errors then name the field the value came from), and
+nothing reads RMT's section for ARMT afterwards. A config that sets both counts to
+different values is refused.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
 from ...memory_tokens import pretrained_memory_init
 from ...registry import AuthorsCheckpoint, Mechanism, register
-from ...typed import ConfigError
-from ..rmt.mechanism import (
-    RMTOptions,
-    check_memory_norm,
-    check_memory_tokens,
-    check_pattern,
-)
+from ...typed import ConfigError, check_choice
+from ..rmt.mechanism import check_memory_tokens, check_pattern
+from ..rmt.options import MEMORY_NORMS, RMTOptions
 from .associative import READ_PRECISIONS, AssociativeMemory
 from .options import ARMT_MEMORY_POSITIONS, FEATURE_MAPS, ARMTOptions
 
 
 def token_field(cfg) -> str:
-    """The field ARMT's memory-token count is read from (module docstring)."""
-    return "model.rmt.num_mem_tokens" if cfg.armt.num_mem_tokens is None else \
-        "model.armt.num_mem_tokens"
+    """The field ARMT's memory-token count came from, for errors: `model.rmt.
+    num_mem_tokens` in a config written before ARMT had its own (`ARMT.upgrade`)."""
+    return ("model.rmt.num_mem_tokens" if "num_mem_tokens" in upgraded_fields(cfg.armt)
+            else "model.armt.num_mem_tokens")
+
+
+def upgraded_fields(o: ARMTOptions) -> set[str]:
+    """The fields of this section that `ARMT.upgrade` filled from `model.rmt`."""
+    return o.__dict__.setdefault("_from_rmt", set())
 
 
 @register
@@ -64,18 +70,35 @@ class ARMT(Mechanism):
     pretrained = True
     authors_format = "armt-authors"
 
+    def upgrade(self, cfg) -> None:
+        # Configs and checkpoints written before ARMT had its own memory-token count and
+        # memory norm set RMT's (module docstring): those are what they meant.
+        o, moved = cfg.armt, upgraded_fields(cfg.armt)
+        for name in ("num_mem_tokens", "memory_norm"):
+            if getattr(o, name) is not None:
+                continue
+            value = getattr(cfg.rmt, name)
+            setattr(o, name, value)
+            moved.add(name)
+            if value != getattr(RMTOptions, name):
+                warnings.warn(f"memtrain: model.rmt.{name} ({value!r}) sets ARMT's {name} "
+                              f"only in configs written before model.armt.{name}; write "
+                              f"model.armt.{name}: {value!r} instead", FutureWarning,
+                              stacklevel=2)
+
     def num_mem_tokens(self, cfg) -> int:
-        o = cfg.armt
-        return cfg.rmt.num_mem_tokens if o.num_mem_tokens is None else o.num_mem_tokens
+        return cfg.armt.num_mem_tokens
 
     def validate(self, cfg) -> None:
         o, m, field = cfg.armt, self.num_mem_tokens(cfg), token_field(cfg)
         legacy = cfg.rmt.num_mem_tokens
-        if o.num_mem_tokens is not None and legacy not in (RMTOptions.num_mem_tokens, m):
+        if field == "model.armt.num_mem_tokens" and legacy not in (RMTOptions.num_mem_tokens,
+                                                                     m):
             raise ConfigError("model.armt.num_mem_tokens", f"is {m} but model.rmt."
                               f"num_mem_tokens is {legacy}: ARMT's count is model.armt."
                               "num_mem_tokens; remove the other")
-        check_memory_norm(cfg)
+        check_choice("model.armt.memory_norm" if "memory_norm" not in upgraded_fields(o)
+                     else "model.rmt.memory_norm", o.memory_norm, MEMORY_NORMS)
         check_memory_tokens(cfg, m, field)
         if m == 0:
             raise ConfigError(field, "ARMT writes its associative memory from the memory "

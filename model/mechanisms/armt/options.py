@@ -17,8 +17,14 @@ class ARMTOptions:
     segment's tokens, and their outputs write every layer's association matrix. The defaults are the
     authors' code."""
 
-    # m; null: `model.rmt.num_mem_tokens` (what configs written before this field set).
+    # m. null only in configs written before this field: their count was
+    # `model.rmt.num_mem_tokens`, which it is then set to when the config is built (a
+    # FutureWarning says so where that count is not the default; mechanism.py `upgrade`).
     num_mem_tokens: int | None = None
+    # The LayerNorm the carried write outputs pass (`carry_tokens`; pre-LN): "unit",
+    # "embedding" or "none", as RMT's `memory_norm`. null only in configs written before
+    # this field: then `model.rmt.memory_norm`, as for the count.
+    memory_norm: str | None = None
     # Width of q and k before the feature map (the authors' d_mem; 64 in their scripts).
     d_key: int = 64
     # phi: "dpfp" (deterministic parameter-free projection, the authors'), "elu" (elu + 1)
@@ -38,7 +44,7 @@ class ARMTOptions:
     # false (the authors'): every segment's memory tokens start from the same learned
     # vectors and only the association matrices cross the boundary; true: the write
     # outputs are also carried as the next segment's memory tokens (RMT's recurrence on
-    # top of the associative memory), through `model.rmt.memory_norm`.
+    # top of the associative memory), through `memory_norm`.
     carry_tokens: bool = False
     # Position ids of the memory tokens around a pretrained model (backbone hf; the native
     # stack's positions are relative). "fixed": T .. T+m-1, T = max(L, tgt_len), the same

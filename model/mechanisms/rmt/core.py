@@ -76,7 +76,8 @@ class RMT(RelativeBackbone):
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.opts = cfg.rmt
-        self.memory_init, self.memory_layer_norm = memory_token_parameters(cfg)
+        self.memory_init, self.memory_layer_norm = memory_token_parameters(
+            cfg, cfg.rmt.memory_norm)
 
     @classmethod
     def segment_shapes(cls, cfg: ModelConfig, rows: int, mem_len: int) -> SegmentShapes:
