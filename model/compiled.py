@@ -75,9 +75,9 @@ def compile_core(model: nn.Module, backend: str = "inductor") -> None:
     (model/pretrained/regional.py).
     """
     if not hasattr(model, "core"):
-        # A pretrained base model (PretrainedMemoryLM): its decoder layers, one at a time.
-        from .pretrained.regional import compile_decoder_layers
-        compile_decoder_layers(model, backend, _compile)
+        # A pretrained base model (PretrainedMemoryLM) compiles its decoder layers itself,
+        # one at a time (model/pretrained/regional.py), with this module's torch.compile.
+        model.compile_regions(backend, _compile)
         return
     core = model.core
     _allow_graphs(core.cfg)

@@ -32,6 +32,7 @@ from .loading import apply_finetune, load_base
 from .logits import lm_logits
 from .positions import check_accepts_positions
 from .probe import probe
+from .regional import compile_decoder_layers
 from .router import find_router
 from .traits import check_rows, traits_of
 
@@ -66,6 +67,12 @@ class PretrainedMemoryLM(SegmentLM):
             # Every mechanism's decoder rows, as they run (Titans interleaves 2L + P).
             base.base_model.register_forward_pre_hook(_window_check(traits, cfg),
                                                       with_kwargs=True)
+
+    def compile_regions(self, backend: str, compile_fn) -> int:
+        """`model.compile` around a pretrained model: each decoder layer's forward compiled
+        on its own with `compile_fn(fn, backend)` (regional.py; model/compiled.py
+        `compile_core` calls this). Returns the number of layers compiled."""
+        return compile_decoder_layers(self, backend, compile_fn)
 
     @property
     def num_mem_tokens(self) -> int:
