@@ -270,12 +270,8 @@ class ModelConfig:
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise ConfigError(f"model.{name}", f"must be in [0, 1), got {p}")
-        if self.attn_impl not in ATTN_IMPLS:
-            raise ConfigError("model.attn_impl", f"unknown {self.attn_impl!r}; choose "
-                              f"one of {', '.join(ATTN_IMPLS)}")
-        if self.compile_backend not in COMPILE_BACKENDS:
-            raise ConfigError("model.compile_backend", f"unknown {self.compile_backend!r}; "
-                              f"choose one of {', '.join(COMPILE_BACKENDS)}")
+        check_choice("model.attn_impl", self.attn_impl, ATTN_IMPLS)
+        check_choice("model.compile_backend", self.compile_backend, COMPILE_BACKENDS)
         self._validate_adaptive()
 
     def _validate_loss_backend(self) -> None:

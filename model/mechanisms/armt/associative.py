@@ -56,7 +56,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...memory import MemoryState, XLMemory, _register, _zero_rows
-from .associative_grad import StateGradient, delta_write, read_numerator, unbind_layers
+from .associative_grad import (
+    StateGradient,
+    delta_write,
+    innermost_checkpoint_hooks,
+    read_numerator,
+    unbind_layers,
+)
 
 EPS = 1e-5  # the authors' code adds 1e-5 to every denominator
 FEATURE_MAPS = ("dpfp", "identity", "elu")
@@ -220,12 +226,7 @@ def checkpoint_first_run() -> bool:
     """Inside the first forward of a non-reentrant torch.utils.checkpoint region (its saved-
     tensor hooks are the innermost ones), where the arguments are kept for a re-run; False
     in the re-run, outside checkpointing, or if torch no longer exposes the hooks."""
-    try:
-        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    except (AttributeError, RuntimeError):
-        return False
-    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith(
-        "_checkpoint_hook.")
+    return innermost_checkpoint_hooks("_checkpoint_hook")
 
 
 class AssociativeLayer(nn.Module):

@@ -34,16 +34,22 @@ import torch
 from torch.autograd import Function
 
 
-def checkpoint_rerun() -> bool:
-    """Inside the re-run of a non-reentrant torch.utils.checkpoint region (its recomputation
-    hooks are the innermost saved-tensor hooks); False elsewhere, or if torch no longer
-    exposes the hooks (then the output is computed as in a first run)."""
+def innermost_checkpoint_hooks(kind: str) -> bool:
+    """Whether the innermost saved-tensor hooks are torch.utils.checkpoint's `kind`
+    ("_checkpoint_hook": a non-reentrant region's first run, which keeps its arguments for
+    a re-run; "_recomputation_hook": that re-run in backward); False elsewhere, or if torch
+    no longer exposes the hooks."""
     try:
         hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     except (AttributeError, RuntimeError):
         return False
-    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith(
-        "_recomputation_hook.")
+    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith(f"{kind}.")
+
+
+def checkpoint_rerun() -> bool:
+    """Inside a checkpoint's re-run (then the write's output is not needed: `_DeltaWrite`);
+    False elsewhere (then it is computed as in a first run)."""
+    return innermost_checkpoint_hooks("_recomputation_hook")
 
 
 def fast_path(*tensors: torch.Tensor) -> bool:

@@ -117,12 +117,8 @@ class ARMT(Mechanism):
         if not (o.denominator_floor >= 0 and math.isfinite(o.denominator_floor)):
             raise ConfigError("model.armt.denominator_floor", f"must be a finite number >= 0, "
                               f"got {o.denominator_floor}")
-        if o.read_precision not in READ_PRECISIONS:
-            raise ConfigError("model.armt.read_precision", f"unknown {o.read_precision!r}; "
-                              f"choose one of {', '.join(READ_PRECISIONS)}")
-        if o.memory_positions not in ARMT_MEMORY_POSITIONS:
-            raise ConfigError("model.armt.memory_positions", f"unknown {o.memory_positions!r}; "
-                              f"choose one of {', '.join(ARMT_MEMORY_POSITIONS)}")
+        check_choice("model.armt.read_precision", o.read_precision, READ_PRECISIONS)
+        check_choice("model.armt.memory_positions", o.memory_positions, ARMT_MEMORY_POSITIONS)
         if o.memory_positions != "fixed" and not cfg.backbone_traits.position_ids:
             raise ConfigError("model.armt.memory_positions", "places memory tokens in a "
                               "pretrained model's positions (backbone 'hf'); the native "
