@@ -3,11 +3,13 @@ once and reused by every full chunk, model/compiled.py `compiled_chunk_step`), i
 at a realistic shape (docs/titans.md, "The compiled chunk").
 
 Two parts:
-- `update`: n_layer neural memories (model/neural_memory.py) written and read with one
+- `update`: n_layer neural memories (model/mechanisms/titans/neural_memory.py) written and read with
+one
   segment, forward and backward, the state entering with a gradient (inside a BPTT window).
   Defaults: GPT-2-124M's width and depth (d_model 768, 12 layers), d_mem 64, depth 2,
   segment 1,024, chunk 16 (the default), batch 32: the shape of docs/titans.md's GPU table.
-- `model`: the native MAC model (model/titans.py) at that width and depth, one training
+- `model`: the native MAC model (model/mechanisms/titans/core.py) at that width and depth, one
+training
   step (forward and backward) of a segment, batch `--model-batch`.
 
 Each timed by `benchmarks/common.py` `step_clock` (on CUDA the wall time after the device
@@ -35,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import add_device_args, finish, model_dtype, step_clock  # noqa: E402
 from model import ModelConfig, build_model  # noqa: E402
 from model.compiled import compiled_graphs, graph_breaks  # noqa: E402
-from model.neural_memory import NeuralMemory, NeuralMemoryState  # noqa: E402
+from model.mechanisms.titans.neural_memory import NeuralMemory, NeuralMemoryState  # noqa: E402
 
 
 def _time(step, clock, rounds: int) -> tuple[float, float, object]:

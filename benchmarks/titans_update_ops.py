@@ -33,7 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from model.compiled import compiled_graphs, graph_breaks  # noqa: E402
-from model.neural_memory import NeuralMemory, NeuralMemoryState  # noqa: E402
+from model.mechanisms.titans.neural_memory import NeuralMemory, NeuralMemoryState  # noqa: E402
 
 # A launch in the `call` of Inductor's output code: a generated kernel (C++ or Triton) or
 # an extern kernel (the matmuls) or an aten fallback.

@@ -143,13 +143,13 @@ def graph_breaks() -> int:
 
 
 # The chunk step of Titans' memory, compiled once per backend (`compiled_chunk_step`).
-# model/neural_memory.py hands its step over, so this module imports no mechanism.
+# model/mechanisms/titans/neural_memory.py hands its step over, so this module imports no mechanism.
 _CHUNK_STEPS: dict = {}
 
 
 def compiled_chunk_step(chunk_step, backend: str):
-    """`model.titans.compiled_chunks`: Titans' chunk step (model/neural_memory.py passes its
-    `chunk_step`: a chunk's reads and its update, §3.2) compiled by `backend`, the same
+    """`model.titans.compiled_chunks`: Titans' chunk step (model/mechanisms/titans/neural_memory.py
+    passes its `chunk_step`: a chunk's reads and its update, §3.2) compiled by `backend`, the same
     function for every memory. Every full chunk of a segment has the same shapes and the
     weights are inputs, not parameters, so one graph (a forward and a backward) serves every
     chunk of every layer: the loop runs the graph once per chunk instead of the ~500 eager

@@ -5,12 +5,12 @@ Field names follow the papers and the authors' code (`mem_len`, `tgt_len`, `clam
 field, so a bad value fails before any tensor is allocated.
 
 The mechanism's options are a section of their own (`model.lamemo`, `model.rmt`,
-`model.armt`, ...), defined in the mechanism's folder (model/mechanisms/<name>/options.py)
-and validated by its registry entry (mechanism.py). The built-in ones are declared fields
-of `ModelConfig` (`cfg.rmt.num_mem_tokens`; `ModelConfig(mechanism="rmt", rmt={...})`); a
-mechanism registered from outside this package (model/registry.py) has its section in
-`sections`, read as an attribute the same way, so this file does not change when one is
-added. `to_dict` writes every section beside the other fields.
+`model.armt`, `model.titans`), defined in the mechanism's folder
+(model/mechanisms/<name>/options.py) and validated by its registry entry (mechanism.py). The
+built-in ones are declared fields of `ModelConfig` (`cfg.rmt.num_mem_tokens`;
+`ModelConfig(mechanism="rmt", rmt={...})`); a mechanism registered from outside this package
+(model/registry.py) has its section in `sections`, read as an attribute the same way, so this file
+does not change when one is added. `to_dict` writes every section beside the other fields.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from . import registry
 from .mechanisms.armt.options import ARMTOptions
 from .mechanisms.lamemo.options import LaMemoOptions
 from .mechanisms.rmt.options import RMTOptions
+from .mechanisms.titans.options import TitansOptions
 from .typed import ConfigError, build_dataclass, check_choice
 
 ATTN_IMPLS = ("fused", "plain")
@@ -35,7 +36,8 @@ LOSS_BACKENDS = ("auto", "chunked", "liger", "cce")
 COMPILE_BACKENDS = ("inductor", "aot_eager")
 FINETUNE_MODES = ("full", "frozen", "lora")
 # The mechanisms' sections that are fields of `ModelConfig` (the others: `sections`).
-DECLARED_SECTIONS = {"lamemo": LaMemoOptions, "rmt": RMTOptions, "armt": ARMTOptions}
+DECLARED_SECTIONS = {"lamemo": LaMemoOptions, "rmt": RMTOptions, "armt": ARMTOptions,
+                     "titans": TitansOptions}
 
 
 @dataclass
@@ -152,11 +154,12 @@ class ModelConfig:
     lamemo: LaMemoOptions = field(default_factory=LaMemoOptions)
     rmt: RMTOptions = field(default_factory=RMTOptions)
     armt: ARMTOptions = field(default_factory=ARMTOptions)
+    titans: TitansOptions = field(default_factory=TitansOptions)
     hf: PretrainedOptions = field(default_factory=PretrainedOptions)
     # The sections no field can declare: those of mechanisms registered from outside this
-    # package (`package.module:ClassName`, model/registry.py) and Titans' (its folder is not
-    # made yet), by section name, read as attributes (`cfg.toy`); `to_dict` writes them as
-    # `model.<section>` after the built-in ones.
+    # package (`package.module:ClassName`, model/registry.py), by section name, read as
+    # attributes (`cfg.toy`); `to_dict` writes them as `model.<section>` after the built-in
+    # ones.
     sections: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __init__(self, sections: dict[str, Any] | None = None, **values: Any):

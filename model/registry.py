@@ -37,7 +37,7 @@ _REGISTRY: dict[str, Mechanism] = {}
 # of each that registers it (its folder's mechanism.py under model/mechanisms/): a new
 # mechanism of this package is one folder and one entry here.
 _MODULES = {"xl": "xl.mechanism", "lamemo": "lamemo.mechanism", "rmt": "rmt.mechanism",
-            "armt": "armt.mechanism", "titans": "titans"}
+            "armt": "armt.mechanism", "titans": "titans.mechanism"}
 BUILTIN = tuple(_MODULES)
 
 

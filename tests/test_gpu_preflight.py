@@ -20,7 +20,8 @@ with a reason and check, on a GPU, what no CPU run can (docs/cluster.md, checkli
 3. `model.compile` on the GPU (Triton kernels) trains with eager's losses and compiles no
    graph once the memory is full (tests/test_compile.py's training, on the device; its CPU
    case is that file's own test).
-4. Titans' chunked update (model/neural_memory.py) on the device equals the float64
+4. Titans' chunked update (model/mechanisms/titans/neural_memory.py) on the device equals the
+float64
    token-by-token reference of tests/test_neural_memory.py (float64, float32 without TF32,
    and a bf16 module's float32 state).
 
@@ -217,9 +218,9 @@ def test_compiled_training_on_the_gpu_has_the_eager_losses_and_stops_compiling()
 @pytest.mark.parametrize("depth,chunk,n,clip", [(2, 4, 11, None), (3, 5, 10, 0.5)])
 def test_titans_chunked_update_on_the_gpu_equals_the_float64_token_recurrence(depth, chunk,
                                                                               n, clip):
-    """Titans' chunked update (model/neural_memory.py) on the GPU: in float64 it equals the
-    token-by-token reference of Eq. 12-14 as on the CPU; in float32 with TF32 matmuls off it
-    stays within float32's rounding of it; a bf16 module keeps its state float32 and within
+    """Titans' chunked update (model/mechanisms/titans/neural_memory.py) on the GPU: in float64 it
+    equals the token-by-token reference of Eq. 12-14 as on the CPU; in float32 with TF32 matmuls off
+    it stays within float32's rounding of it; a bf16 module keeps its state float32 and within
     2% of float32 (tests/test_neural_memory.py's bound)."""
     from test_neural_memory import _naive_inputs, _setup, naive
     mem, x, weights, momentum = _setup(depth, chunk, n, clip=clip)

@@ -1,5 +1,5 @@
-"""Titans' neural memory (model/neural_memory.py) against a token-by-token float64 loop
-written from the paper's equations (Behrouz, Zhong, Mirrokni 2025, §3.1 Eq. 10-14, and the
+"""Titans' neural memory (model/mechanisms/titans/neural_memory.py) against a token-by-token float64
+loop written from the paper's equations (Behrouz, Zhong, Mirrokni 2025, §3.1 Eq. 10-14, and the
 chunked form of §3.2: inside a chunk every gradient is taken at the chunk's start weights).
 """
 
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from model.neural_memory import NeuralMemory, NeuralMemoryState, mlp
+from model.mechanisms.titans.neural_memory import NeuralMemory, NeuralMemoryState, mlp
 
 D_MODEL, D_MEM = 12, 6
 

@@ -156,7 +156,7 @@ def make_loop(mechanism: str, *, steps: int, log_every: int, grad_accum: int = 1
              "cutoffs": list(cutoffs), "div_val": div_val}
     if mechanism == "rmt":
         model["rmt"] = {"num_mem_tokens": 2, "mem_loss_weight": 0.01, "mem_loss_token": 1}
-    if mechanism == "titans":   # its attention has no XL cache (model/mechanisms/titans.py)
+    if mechanism == "titans":   # no XL cache (model/mechanisms/titans/mechanism.py)
         model["mem_len"] = 0
         model["titans"] = {"d_mem": 8, "chunk_size": 2, "num_persistent": 2}
     cfg = from_dict({"model": model, "data": {"path": "unused", "global_batch": B},

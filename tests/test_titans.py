@@ -1,7 +1,8 @@
-"""Titans, memory as a context (model/titans.py, model/mechanisms/titans.py), on the native
-stack: the bounds of its options, causality inside a segment, the memory crossing segments,
-the BPTT cut through the inner updates, and the state's round trip. The neural memory's
-update itself is pinned against the equations in tests/test_neural_memory.py."""
+"""Titans, memory as a context (model/mechanisms/titans/core.py,
+model/mechanisms/titans/mechanism.py), on the native stack: the bounds of its options, causality
+inside a segment, the memory crossing segments, the BPTT cut through the inner updates, and the
+state's round trip. The neural memory's update itself is pinned against the equations in
+tests/test_neural_memory.py."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from bptt_reach import CUTS, random_segments, segments_reached
 from titans_helpers import L, V, titans_model, token_4_changed
 
 from model import ConfigError, ModelConfig, build_model
+from model.mechanisms.titans.neural_memory import NeuralMemoryState
 from model.memory import MemoryState
-from model.neural_memory import NeuralMemoryState
 
 
 @pytest.mark.parametrize(("field", "value"), [

@@ -1,7 +1,7 @@
-"""`model.titans.compiled_chunks`: Titans' chunk step (model/neural_memory.py `chunk_step`,
-a chunk's reads and its update, §3.2) compiled once by torch.compile (model/compiled.py
-`compiled_chunk_step`) and reused by every full chunk. Pinned against the same token-by-token
-float64 loop of Eq. 12-14 as the eager update (tests/test_neural_memory.py), and its
+"""`model.titans.compiled_chunks`: Titans' chunk step (model/mechanisms/titans/neural_memory.py
+`chunk_step`, a chunk's reads and its update, §3.2) compiled once by torch.compile
+(model/compiled.py `compiled_chunk_step`) and reused by every full chunk. Pinned against the same
+token-by-token float64 loop of Eq. 12-14 as the eager update (tests/test_neural_memory.py), and its
 gradients against eager's. Compiled on aot_eager (Dynamo's graph, fullgraph, and AOT
 autograd's forward/backward split on eager kernels): the graph counts and breaks are
 decided there, at a fraction of a cold Inductor build (about 45-60 s for this step on the
@@ -18,7 +18,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from model import ModelConfig, build_model
 from model.compiled import compiled_graphs, graph_breaks
-from model.neural_memory import NeuralMemory, NeuralMemoryState, chunk_step, chunks_weights
+from model.mechanisms.titans.neural_memory import (
+    NeuralMemory,
+    NeuralMemoryState,
+    chunk_step,
+    chunks_weights,
+)
 from train.bptt import run_window
 
 BACKEND = "aot_eager"

@@ -1,4 +1,4 @@
-"""MAC's read and write options (model/mechanisms/titans.py: `read_as`, `update_input`,
+"""MAC's read and write options (model/mechanisms/titans/mechanism.py: `read_as`, `update_input`,
 `output_gate`, `read_init_std`, the gate biases) on the native stack: each keeps causality,
 carries the memory and trains every parameter; each does what it names; each is refused
 where it does not apply; and `memtrain train` says when the write can get no gradient.
@@ -85,7 +85,7 @@ def test_update_input_chooses_the_stream_the_memory_is_written_with(update_input
 def test_read_as_residual_drops_the_read_rows_from_the_attention():
     """`read_as: residual` adds h_i to token i's row instead of entering it as L context
     rows (Eq. 22): the layer attends over P + L keys, not P + 2L (segment_shapes)."""
-    from model.titans import TitansCore
+    from model.mechanisms.titans.core import TitansCore
     cfg = ModelConfig(mechanism="titans", vocab_size=V, n_layer=2, d_model=16, n_head=2,
                       d_inner=32, tgt_len=L, mem_len=0,
                       titans={"d_mem": 8, "num_persistent": 2})
@@ -164,7 +164,7 @@ def test_train_says_when_the_write_can_get_no_gradient():
 
 def _memory64(**kw):
     """A float64 NeuralMemory, its input [2, 7, 12] and perturbed start weights/momentum."""
-    from model.neural_memory import NeuralMemory
+    from model.mechanisms.titans.neural_memory import NeuralMemory
     torch.manual_seed(0)
     mem = NeuralMemory(12, 6, depth=2, max_lr=0.7, max_forget=0.5, forget_bias=-1.0,
                        max_grad_norm=None, **kw).double()
@@ -199,7 +199,7 @@ def test_memory_residual_is_x_plus_the_layer_norm_of_the_mlp():
     q + LayerNorm(MLP(q)), and without it both are the plain MLP's."""
     import torch.nn.functional as F
 
-    from model.neural_memory import mlp
+    from model.mechanisms.titans.neural_memory import mlp
     mem, x, _, start, mom = _memory64(chunk_size=3, residual_norm=True)
     got_w, got_s, read = mem.update(start, mom, x, read=x)
     want_w, want_s = naive_memory(mem, x, start, mom)
@@ -244,11 +244,11 @@ def test_the_new_memory_choices_are_refused_by_their_field(field, value):
 
 
 def test_segment_positions_add_the_fixed_sinusoid_to_the_input_and_nothing_else():
-    """`segment_positions` adds model/titans.py's sinusoid of each row's position in its
-    segment (sin 0 = 0 and cos 0 = 1 at row 0) to the stack's input: the model equals the
+    """`segment_positions` adds model/mechanisms/titans/core.py's sinusoid of each row's position in
+    its segment (sin 0 = 0 and cos 0 = 1 at row 0) to the stack's input: the model equals the
     default one with the table added to its embeddings, in every segment (the same rows
     0..L-1 each), with the same parameters drawn; refused around a pretrained decoder."""
-    from model.titans import segment_positions
+    from model.mechanisms.titans.core import segment_positions
     table = segment_positions(L, 16, torch.float32)
     assert torch.equal(table[0], torch.cat([torch.zeros(8), torch.ones(8)]))
     assert table.shape == (L, 16) and (table[1] - table[2]).abs().max() > 0.1

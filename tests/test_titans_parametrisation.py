@@ -4,8 +4,8 @@
 from the module under test cannot see an error in them (tests/test_neural_memory.py's
 float64 loop takes them from `gate_values`, so it checks the chunked update only).
 
-The parametrisation (model/neural_memory.py, docs/titans.md "The equations"): one linear
-map z_t = x_t W_g^T + b_g of three outputs, then
+The parametrisation (model/mechanisms/titans/neural_memory.py, docs/titans.md "The equations"): one
+linear map z_t = x_t W_g^T + b_g of three outputs, then
 
     theta_t = max_lr       * sigmoid(z_t[0])      inner learning rate   (Eq. 13-14)
     eta_t   = max_momentum * sigmoid(z_t[1])      momentum of surprise  (Eq. 10, 14)
@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from model import ModelConfig, build_model
-from model.neural_memory import NeuralMemory, NeuralMemoryState
+from model.mechanisms.titans.neural_memory import NeuralMemory, NeuralMemoryState
 
 D_MODEL, D_MEM = 12, 6
 

@@ -43,7 +43,7 @@ def naive_memory(mem, x, weights, momentum, at=None):
     x + LayerNorm(MLP(x)) when `mem.residual_norm`. No clip."""
     import torch.nn.functional as F
 
-    from model.neural_memory import mlp
+    from model.mechanisms.titans.neural_memory import mlp
     k, v = mem.project("kv", x, None)
     k = mem._qk(k)
     theta, log_eta, log_keep = mem.gate_values(x, torch.float64)

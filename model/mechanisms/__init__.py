@@ -5,9 +5,8 @@
     rmt/      Recurrent Memory Transformer (Bulatov et al. 2022): memory tokens
     armt/     Associative RMT (Rodkin et al. 2024): memory tokens writing associative
               matrices (associative.py: the read and the delta-rule write)
-    titans.py Titans (Behrouz et al. 2025): a neural memory per layer, an MLP trained
-              inside the forward pass (its native forward: model/titans.py, its memory
-              model/neural_memory.py)
+    titans/   Titans (Behrouz et al. 2025): a neural memory per layer, an MLP trained
+              inside the forward pass (neural_memory.py: the memory and its update)
 
 In each folder, mechanism.py is the registry entry: its options section and validation,
 its traits, its segment around a pretrained decoder; core.py its native forward. The

@@ -1,6 +1,6 @@
 """Titans (Behrouz, Zhong, Mirrokni 2025) on the native relative-position stack: memory as
 a context (MAC, §4.1), and as a gate or a layer (MAG, MAL; below). The neural memory and
-its update are model/neural_memory.py.
+its update are model/mechanisms/titans/neural_memory.py.
 
 Per segment S (the paper's chunk of the sequence) and layer l, in the paper's order
 (retrieve, attend, update):
@@ -20,8 +20,8 @@ causal language model (docs/titans.md lists them):
   what this stack's layer takes as its `mem` argument (their distances are those of a
   cache of P + L rows before the segment).
 - Eq. 25 reads M with the weights of each token's chunk start (the chunks of the segment
-  before its own; model/neural_memory.py), not the memory after the whole segment, whose
-  weights hold the segment's later tokens. ⊗ is a gate o = y * 2 sigmoid(W_G M*(y)), W_G = 0
+  before its own; model/mechanisms/titans/neural_memory.py), not the memory after the whole segment,
+  whose weights hold the segment's later tokens. ⊗ is a gate o = y * 2 sigmoid(W_G M*(y)), W_G = 0
   at initialisation, so the block starts as the backbone (as ARMT's W_v = 0 does).
 - Persistent memory (Eq. 19) prepends learned tokens to the input. They are independent of
   the input and come first under the causal mask, so their hidden states are the same
@@ -58,11 +58,11 @@ import math
 import torch
 from torch import nn
 
-from .backbone import Learned, Lengths, RelativeBackbone
-from .config import ModelConfig
+from ...backbone import Learned, Lengths, RelativeBackbone
+from ...config import ModelConfig
+from ...positional import distance_list
+from ...shapes import AttentionShape, LayerShape, SegmentShapes, TensorShape
 from .neural_memory import NeuralMemory, NeuralMemoryState
-from .positional import distance_list
-from .shapes import AttentionShape, LayerShape, SegmentShapes, TensorShape
 
 
 def neural_memory(cfg: ModelConfig) -> NeuralMemory:

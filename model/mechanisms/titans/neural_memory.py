@@ -12,7 +12,7 @@ Per token t (the paper's equations; §3.1):
 
 theta_t (inner learning rate), eta_t (momentum) and alpha_t (forgetting) are data-dependent:
 each a sigmoid of a linear function of x_t, scaled by its bound (`max_lr`, `max_momentum`,
-`max_forget`; model/mechanisms/titans.py validates them). q_t and k_t are l2-normalised
+`max_forget`; model/mechanisms/titans/mechanism.py validates them). q_t and k_t are l2-normalised
 (§4.4); with `conv_size` c > 0, each of x W_Q, x W_K, x W_V first passes a causal
 depthwise convolution of kernel c (§4.4), which reads the c - 1 rows of the stream before
 the segment (the state's `tails`). M is an MLP of `depth` >= 1 matrices without biases,
@@ -59,9 +59,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .backbone import Learned
-from .compiled import compiled_chunk_step
-from .memory import MemoryState, _register, _zero_rows
+from ...backbone import Learned
+from ...compiled import compiled_chunk_step
+from ...memory import MemoryState, _register, _zero_rows
 
 LOG_FLOOR = -60.0   # log of a decay factor below exp(-60) ~ 1e-26 is that: gone
 

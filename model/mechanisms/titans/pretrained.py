@@ -1,5 +1,6 @@
 """Titans, memory as a context (§4.1), around a pretrained decoder's own layers; the native
-forward and its choices are model/titans.py's, the neural memory model/neural_memory.py's.
+forward and its choices are model/mechanisms/titans/core.py's, the neural memory
+model/mechanisms/titans/neural_memory.py's.
 
 The base model's layers take one sequence of rows, so the context rows of Eq. 22 are rows
 of it, interleaved with the tokens:
@@ -27,15 +28,15 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from ..neural_memory import NeuralMemoryState
-from ..shapes import MemoryRows, StatedBlock, TensorShape
-from .layers import decoder_layers_name, layer_hidden
-from .positions import causal_attention
+from ...pretrained.layers import decoder_layers_name, layer_hidden
+from ...pretrained.positions import causal_attention
+from ...shapes import MemoryRows, StatedBlock, TensorShape
+from .neural_memory import NeuralMemoryState
 
 
 def parameters(cfg, base, memory_scale) -> dict:
-    from ..memory_tokens import pretrained_memory_init
-    from ..titans import MemoryGate, neural_memory
+    from ...memory_tokens import pretrained_memory_init
+    from .core import MemoryGate, neural_memory
     o, d = cfg.titans, cfg.d_model
     # Eq. 19's tokens at the scale of the pretrained embeddings they sit among (RMT's).
     persistent = pretrained_memory_init(cfg, base, o.num_persistent, memory_scale)
@@ -63,7 +64,7 @@ def titans_pass(lm, state: NeuralMemoryState, n_p: int) -> Iterator[tuple[list, 
     """For the body of a with-block (one run of the base model over x^0 above): each
     layer's h rows are its memory's reads, its token rows are updated into the memory and
     gated (Eq. 21, 24, 25). Yields the lists of each layer's (weights, momentum) and of its
-    streams' tails (model/neural_memory.py; None without convolutions)."""
+    streams' tails (model/mechanisms/titans/neural_memory.py; None without convolutions)."""
     layers = lm.base.base_model.get_submodule(lm.layers_name)
     weights, momentum = [None] * len(layers), [None] * len(layers)
     tails = [[None, None] for _ in layers]     # per layer: update, retrieval stream
@@ -127,9 +128,9 @@ def decode(lm, emb: torch.Tensor, state: NeuralMemoryState):
 
 def memory_rows(cfg, rows: int, trained_params: int) -> MemoryRows:
     """P + 2L rows through every layer under the base model's own mask; per layer a stated
-    block for the memory's read and update (what model/titans.py's segment_shapes lists),
-    and the state: every layer's weights and momentum, float32."""
-    from ..titans import TitansCore
+    block for the memory's read and update (what model/mechanisms/titans/core.py's segment_shapes
+    lists), and the state: every layer's weights and momentum, float32."""
+    from .core import TitansCore
     o, n, d = cfg.titans, cfg.tgt_len, cfg.d_model
     q = o.num_persistent + 2 * n
     native = TitansCore.segment_shapes(cfg, rows, 0)
@@ -143,7 +144,7 @@ def memory_rows(cfg, rows: int, trained_params: int) -> MemoryRows:
 
 
 def _one_layer(cfg) -> nn.Module:
-    from ..titans import MemoryGate, neural_memory
+    from .core import MemoryGate, neural_memory
     return nn.ModuleList([neural_memory(cfg), nn.Linear(cfg.titans.d_mem, cfg.d_model,
                                                         bias=False),
                           MemoryGate(cfg.titans.d_mem, cfg.d_model)])
